@@ -1,0 +1,215 @@
+"""The page codec (DESIGN §4): a versioned header in front of a page-first KV payload.
+
+Header, little-endian, `HEADER_FIXED_BYTES + 4 * token_count + 8` bytes:
+
+    magic "SKVP" | version u16 | reserved u16 | header_bytes u32
+    scope digest 16 | key 16 | parent key 16
+    token_count u32 | dtype code u8 | 3 reserved
+    num_layers u32 | num_kv_heads u32 | head_dim u32 | page_tokens u32
+    payload_bytes u64 | payload xxh3-64 u64
+    token ids u32 × token_count
+    header xxh3-64 u64 (over every header byte before it)
+
+The header has its own checksum as well as the payload's, so a flipped byte anywhere in a stored
+page is detected. A reader also checks that the key really is `chain_key(parent, tokens)` and that
+the scope digest is the one it asked for: a hash collision yields a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from client.errors import Corrupt, InvalidArgument
+from client.scope import (
+    DTYPE_BY_CODE,
+    KEY_BYTES,
+    KVLayout,
+    Scope,
+    chain_key,
+    dtype_code,
+)
+
+MAGIC = b"SKVP"
+VERSION = 1
+_FIXED = struct.Struct("<4sHHI16s16s16sIB3xIIIIQQ")
+HEADER_FIXED_BYTES = _FIXED.size
+_TAIL = struct.Struct("<Q")
+
+Buffer = bytes | bytearray | memoryview
+
+
+def header_bytes_for(token_count: int) -> int:
+    """Encoded header size for a page of `token_count` tokens."""
+    return HEADER_FIXED_BYTES + 4 * token_count + _TAIL.size
+
+
+def payload_checksum(payload: Buffer) -> int:
+    """xxh3-64 of a payload (any contiguous buffer)."""
+    return int(xxhash.xxh3_64_intdigest(payload))
+
+
+@dataclass(frozen=True, slots=True)
+class PageHeader:
+    """Decoded page header. Immutable; `encode()` gives its exact wire bytes."""
+
+    scope_digest: bytes
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+    dtype: str
+    layout: KVLayout
+    payload_bytes: int
+    payload_checksum: int
+
+    @property
+    def header_bytes(self) -> int:
+        return header_bytes_for(len(self.tokens))
+
+    @property
+    def total_bytes(self) -> int:
+        """Header plus payload: the bytes of the page as stored on SSD."""
+        return self.header_bytes + self.payload_bytes
+
+    def encode(self) -> bytes:
+        lay = self.layout
+        body = _FIXED.pack(
+            MAGIC,
+            VERSION,
+            0,
+            header_bytes_for(len(self.tokens)),
+            self.scope_digest,
+            self.key,
+            self.parent,
+            len(self.tokens),
+            dtype_code(self.dtype),
+            lay.num_layers,
+            lay.num_kv_heads,
+            lay.head_dim,
+            lay.page_tokens,
+            self.payload_bytes,
+            self.payload_checksum,
+        ) + struct.pack(f"<{len(self.tokens)}I", *self.tokens)
+        return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
+
+    @classmethod
+    def decode(cls, data: Buffer) -> PageHeader:
+        """Parse and verify a header at the start of `data`; raises Corrupt on any mismatch."""
+        view = memoryview(data).cast("B")
+        if len(view) < HEADER_FIXED_BYTES + _TAIL.size:
+            raise Corrupt(f"page header truncated: {len(view)} bytes")
+        (
+            magic,
+            version,
+            _reserved,
+            header_bytes,
+            scope_digest,
+            key,
+            parent,
+            token_count,
+            code,
+            layers,
+            heads,
+            head_dim,
+            page_tokens,
+            payload_bytes,
+            checksum,
+        ) = _FIXED.unpack_from(view, 0)
+        if magic != MAGIC:
+            raise Corrupt(f"bad page magic {bytes(magic)!r}")
+        if version != VERSION:
+            raise Corrupt(f"unsupported page version {version}")
+        if header_bytes != header_bytes_for(token_count) or header_bytes > len(view):
+            raise Corrupt(f"page header length {header_bytes} does not fit {token_count} tokens")
+        body_end = header_bytes - _TAIL.size
+        (want,) = _TAIL.unpack_from(view, body_end)
+        if xxhash.xxh3_64_intdigest(view[:body_end]) != want:
+            raise Corrupt("page header checksum mismatch")
+        dtype = DTYPE_BY_CODE.get(code)
+        if dtype is None:
+            raise Corrupt(f"unknown dtype code {code}")
+        try:
+            layout = KVLayout(layers, heads, head_dim, page_tokens)
+        except InvalidArgument as exc:
+            raise Corrupt(f"bad layout in page header: {exc}") from None
+        tokens = struct.unpack_from(f"<{token_count}I", view, HEADER_FIXED_BYTES)
+        return cls(
+            scope_digest=bytes(scope_digest),
+            key=bytes(key),
+            parent=bytes(parent),
+            tokens=tokens,
+            dtype=dtype,
+            layout=layout,
+            payload_bytes=payload_bytes,
+            payload_checksum=checksum,
+        )
+
+    def verify_payload(self, payload: Buffer) -> None:
+        """Raise Corrupt unless `payload` has this header's length and checksum."""
+        n = memoryview(payload).nbytes
+        if n != self.payload_bytes:
+            raise Corrupt(f"payload is {n} bytes, header says {self.payload_bytes}")
+        if payload_checksum(payload) != self.payload_checksum:
+            raise Corrupt("payload checksum mismatch")
+
+    def validate_for(self, scope: Scope) -> None:
+        """Raise InvalidArgument unless this header is a well-formed full page of `scope`.
+
+        Checks the scope digest, dtype and layout, the token count (only full pages are keyed),
+        the payload size, and that `key == chain_key(parent, tokens)`.
+        """
+        if self.scope_digest != scope.digest:
+            raise InvalidArgument("page scope digest does not match the request's scope")
+        if self.dtype != scope.kv_dtype or self.layout != scope.layout:
+            raise InvalidArgument(
+                f"page layout {self.layout}/{self.dtype} does not match scope "
+                f"{scope.layout}/{scope.kv_dtype}"
+            )
+        if len(self.tokens) != scope.layout.page_tokens:
+            raise InvalidArgument(
+                f"page has {len(self.tokens)} tokens; only full pages of "
+                f"{scope.layout.page_tokens} are stored"
+            )
+        if self.payload_bytes != scope.page_payload_bytes:
+            raise InvalidArgument(
+                f"payload is {self.payload_bytes} bytes; scope layout needs {scope.page_payload_bytes}"
+            )
+        if len(self.key) != KEY_BYTES or chain_key(self.parent, self.tokens) != self.key:
+            raise InvalidArgument("page key is not chain_key(parent, tokens)")
+
+
+def make_header(scope: Scope, parent: bytes, tokens: Sequence[int], payload: Buffer) -> PageHeader:
+    """Build the header of the page that follows `parent` (the scope digest for the first page).
+
+    Computes the key and the payload checksum; raises InvalidArgument if the page does not fit
+    the scope's layout.
+    """
+    header = PageHeader(
+        scope_digest=scope.digest,
+        key=chain_key(parent, tokens),
+        parent=parent,
+        tokens=tuple(tokens),
+        dtype=scope.kv_dtype,
+        layout=scope.layout,
+        payload_bytes=memoryview(payload).nbytes,
+        payload_checksum=payload_checksum(payload),
+    )
+    header.validate_for(scope)
+    return header
+
+
+def encode_page(header: PageHeader, payload: Buffer) -> bytes:
+    """Header bytes followed by the payload: the stored form of a page."""
+    return header.encode() + bytes(memoryview(payload).cast("B"))
+
+
+def decode_page(data: Buffer) -> tuple[PageHeader, memoryview]:
+    """Split and verify a stored page; raises Corrupt if the header or payload fails."""
+    header = PageHeader.decode(data)
+    view = memoryview(data).cast("B")
+    payload = view[header.header_bytes :]
+    header.verify_payload(payload)
+    return header, payload

@@ -1,0 +1,1 @@
+"""The Strata store daemon: index, tiers, movement and eviction, service and server."""

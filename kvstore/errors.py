@@ -1,0 +1,23 @@
+"""The daemon's typed errors: the same classes the SDK raises, so one mapping covers both ends."""
+
+from __future__ import annotations
+
+from client.errors import (
+    CapacityExhausted,
+    Corrupt,
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseExpired,
+    StrataError,
+    Unavailable,
+)
+
+__all__ = [
+    "CapacityExhausted",
+    "Corrupt",
+    "DeadlineExceeded",
+    "InvalidArgument",
+    "LeaseExpired",
+    "StrataError",
+    "Unavailable",
+]
