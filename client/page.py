@@ -75,6 +75,10 @@ class PageHeader:
         return self.header_bytes + self.payload_bytes
 
     def encode(self) -> bytes:
+        """The exact header bytes; raises InvalidArgument on a digest or key of the wrong size."""
+        for name in ("scope_digest", "key", "parent"):
+            if len(getattr(self, name)) != KEY_BYTES:
+                raise InvalidArgument(f"PageHeader.{name} must be {KEY_BYTES} bytes")
         lay = self.layout
         body = _FIXED.pack(
             MAGIC,

@@ -143,18 +143,18 @@ class Scope:
         sh = self.shard
         fields: list[tuple[int, bytes]] = [
             (_TAG_SCHEMA, struct.pack("<I", self.key_schema_version)),
-            (_TAG_MODEL, self.model_id.encode()),
-            (_TAG_WEIGHTS, self.weights_revision.encode()),
-            (_TAG_TOKENIZER, self.tokenizer_fingerprint.encode()),
-            (_TAG_ADAPTER_ID, self.adapter_id.encode()),
-            (_TAG_ADAPTER_FP, self.adapter_fingerprint.encode()),
-            (_TAG_DTYPE, self.kv_dtype.encode()),
+            (_TAG_MODEL, _utf8(self.model_id, "model_id")),
+            (_TAG_WEIGHTS, _utf8(self.weights_revision, "weights_revision")),
+            (_TAG_TOKENIZER, _utf8(self.tokenizer_fingerprint, "tokenizer_fingerprint")),
+            (_TAG_ADAPTER_ID, _utf8(self.adapter_id, "adapter_id")),
+            (_TAG_ADAPTER_FP, _utf8(self.adapter_fingerprint, "adapter_fingerprint")),
+            (_TAG_DTYPE, _utf8(self.kv_dtype, "kv_dtype")),
             (
                 _TAG_LAYOUT,
                 struct.pack("<4I", lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_tokens),
             ),
             (_TAG_SHARD, struct.pack("<4I", sh.tp_rank, sh.tp_size, sh.pp_stage, sh.pp_size)),
-            (_TAG_NAMESPACE, self.namespace.encode()),
+            (_TAG_NAMESPACE, _utf8(self.namespace, "namespace")),
         ]
         parts = [_SCOPE_MAGIC]
         for tag, value in fields:
@@ -214,6 +214,15 @@ class Scope:
     def page_payload_bytes(self) -> int:
         """Payload bytes of one full page in this scope."""
         return self.layout.payload_bytes(self.kv_dtype)
+
+
+def _utf8(text: str, name: str) -> bytes:
+    if not isinstance(text, str):
+        raise InvalidArgument(f"Scope.{name} must be a str, got {type(text).__name__}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"Scope.{name} is not encodable as UTF-8: {exc.reason}") from None
 
 
 def _tokens_le(tokens: Sequence[int]) -> bytes:

@@ -45,7 +45,10 @@ def parse_size(text: str | int) -> int:
     if not match:
         raise InvalidArgument(f"not a size: {text!r} (write e.g. 4GiB, 512MiB, 65536)")
     number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "b").lower()])
+    value = float(number) * _UNITS[(unit or "b").lower()]
+    if value != int(value):
+        raise InvalidArgument(f"size {text!r} is not a whole number of bytes")
+    return int(value)
 
 
 def format_size(n_bytes: int) -> str:
@@ -198,9 +201,12 @@ def _coerce(value: object, annotation: object, where: str) -> object:
         raise InvalidArgument(f"{where}: not a boolean: {value!r}")
     if annotation is int:
         if where.endswith("_bytes") or where.endswith("_per_s"):
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not isinstance(value, int | str):
                 raise InvalidArgument(f"{where}: not a size: {value!r}")
-            return parse_size(value if isinstance(value, int) else str(value))
+            try:
+                return parse_size(value)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{where}: {exc}") from None
         try:
             return int(str(value))
         except ValueError:
@@ -211,7 +217,9 @@ def _coerce(value: object, annotation: object, where: str) -> object:
         except ValueError:
             raise InvalidArgument(f"{where}: not a number: {value!r}") from None
     if annotation is str:
-        return str(value)
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{where}: not a string: {value!r}")
+        return value
     raise InvalidArgument(f"{where}: unsupported field type {annotation!r}")
 
 

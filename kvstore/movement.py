@@ -1,0 +1,266 @@
+"""Moving pages between tiers: demotion, promotion, making room, dropping.
+
+`Tiers` bundles the tier objects with the index, the admission policy, counters and events, and
+implements the movement rules of DESIGN §5. Every method here must be called with the store lock
+held (the store and the mover own that lock); the only exception is `write_ssd_unlocked`, the
+I/O half of a background demotion, which the mover calls with the page pinned and the lock free.
+
+Invariant kept by every method: a page is never nowhere. A demotion writes the lower tier before
+it clears the upper one; a page that cannot go lower is dropped whole (and an event says so).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from client.page import PageHeader
+from kvstore.errors import CapacityExhausted, Corrupt
+from kvstore.events import EventKind, EventLog
+from kvstore.index import Index, PageEntry
+from kvstore.keys import Tier
+from kvstore.metrics import StoreCounters, TierGauge
+from kvstore.policy import SsdAdmission
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.ssd import SsdTier
+
+log = logging.getLogger(__name__)
+
+# Stop looking for victims after this many candidates in one call (all pinned, say).
+_MAX_VICTIM_SCAN = 100_000
+
+
+class Tiers:
+    """The tier objects plus the movement rules between them. Caller holds the store lock."""
+
+    def __init__(
+        self,
+        index: Index,
+        dram: DramTier,
+        ssd: SsdTier | None,
+        gpu: GpuTier | None,
+        admission: SsdAdmission,
+        counters: StoreCounters,
+        events: EventLog,
+        retry_after_s: float = 0.5,
+    ) -> None:
+        self.index = index
+        self.dram = dram
+        self.ssd = ssd
+        self.gpu = gpu
+        self.admission = admission
+        self.counters = counters
+        self.events = events
+        self.retry_after_s = retry_after_s
+
+    # ---- allocation with eviction ---------------------------------------------------------
+
+    def allocate_dram(self, n_bytes: int) -> int:
+        """A DRAM block of n_bytes, demoting unpinned pages as needed. Mutates.
+
+        Raises CapacityExhausted (with a retry hint) when nothing more can leave DRAM.
+        """
+        offset = self.dram.allocate(n_bytes)
+        scanned = 0
+        while offset is None:
+            victim = next(self.index.eviction_candidates(Tier.DRAM), None)
+            if victim is None or scanned > _MAX_VICTIM_SCAN:
+                with self.counters.lock:
+                    self.counters.refused_full += 1
+                raise CapacityExhausted(
+                    f"DRAM tier full: no unleased page can leave to make room for {n_bytes} bytes",
+                    retry_after_s=self.retry_after_s,
+                )
+            self.demote_dram(victim)
+            scanned += 1
+            offset = self.dram.allocate(n_bytes)
+        return offset
+
+    def allocate_gpu(self, n_bytes: int) -> int:
+        """A GPU block of n_bytes, demoting GPU pages to DRAM as needed. Mutates; may raise."""
+        assert self.gpu is not None
+        offset = self.gpu.allocate(n_bytes)
+        while offset is None:
+            victim = next(self.index.eviction_candidates(Tier.GPU), None)
+            if victim is None:
+                with self.counters.lock:
+                    self.counters.refused_full += 1
+                raise CapacityExhausted(
+                    f"GPU tier full: nothing can leave to make room for {n_bytes} bytes",
+                    retry_after_s=self.retry_after_s,
+                )
+            self.demote_gpu(victim)
+            offset = self.gpu.allocate(n_bytes)
+        return offset
+
+    def make_room_ssd(self, n_bytes: int) -> None:
+        """Evict SSD pages until n_bytes more fit. Mutates; raises CapacityExhausted if it cannot."""
+        ssd = self.ssd
+        assert ssd is not None
+        if n_bytes > ssd.capacity_bytes:
+            raise CapacityExhausted(f"page of {n_bytes} bytes exceeds the SSD tier's budget")
+        while ssd.used_bytes + n_bytes > ssd.capacity_bytes:
+            victim = next(self.index.eviction_candidates(Tier.SSD), None)
+            if victim is None:
+                raise CapacityExhausted(
+                    "SSD tier full and every page in it is leased", retry_after_s=self.retry_after_s
+                )
+            self._bump(self.counters.evictions, Tier.SSD)
+            ssd.delete(victim.key)
+            if victim.dram is None and victim.gpu is None:
+                self.drop(victim, reason_tier=Tier.SSD, count_eviction=False)
+            else:
+                self.index.set_residency(victim.key, Tier.SSD, False)
+
+    # ---- demotion ---------------------------------------------------------------------------
+
+    def demote_gpu(self, entry: PageEntry) -> None:
+        """Move a page's GPU copy to DRAM (or just drop the GPU copy if DRAM has it). Mutates."""
+        assert self.gpu is not None and entry.gpu is not None
+        self._bump(self.counters.evictions, Tier.GPU)
+        offset = entry.gpu
+        if entry.dram is None:
+            try:
+                dst = self.allocate_dram(entry.payload_bytes)
+            except CapacityExhausted:
+                dst = None
+            if dst is not None:
+                self.gpu.read_into(offset, entry.payload_bytes, self.dram.view(dst, entry.payload_bytes))
+                self.index.set_residency(entry.key, Tier.DRAM, dst)
+                self._move_event(entry, Tier.GPU, Tier.DRAM, demotion=True)
+            elif not entry.ssd:
+                self.drop(entry, reason_tier=Tier.GPU, count_eviction=False)
+                return
+        self.index.set_residency(entry.key, Tier.GPU, None)
+        self.gpu.free(offset)
+
+    def demote_dram(self, entry: PageEntry) -> None:
+        """Make a page leave DRAM: write it to SSD first if admitted, else drop it. Mutates."""
+        assert entry.dram is not None
+        self._bump(self.counters.evictions, Tier.DRAM)
+        offset = entry.dram
+        if entry.gpu is None and not entry.ssd:
+            if self.ssd is not None and self.admission.admit(entry):
+                try:
+                    self.make_room_ssd(entry.payload_bytes + len(entry.header))
+                    self.ssd.write(
+                        PageHeader.decode(entry.header), self.dram.view(offset, entry.payload_bytes)
+                    )
+                except CapacityExhausted as exc:
+                    log.debug("page not demoted to SSD: %s", exc)
+                    self.drop(entry, reason_tier=Tier.DRAM, count_eviction=False)
+                    return
+                self.index.set_residency(entry.key, Tier.SSD, True)
+                self._move_event(entry, Tier.DRAM, Tier.SSD, demotion=True)
+            else:
+                self.drop(entry, reason_tier=Tier.DRAM, count_eviction=False)
+                return
+        self.index.set_residency(entry.key, Tier.DRAM, None)
+        self.dram.free(offset)
+
+    # ---- promotion --------------------------------------------------------------------------
+
+    def promote_to_dram(self, entry: PageEntry, payload: bytes | memoryview | None) -> bool:
+        """Give a pinned GPU- or SSD-resident page a DRAM copy. Mutates.
+
+        `payload` is the verified SSD payload (read by the caller outside the lock) or None for
+        a GPU page. Returns False (and changes nothing) when DRAM has no room for it.
+        """
+        if entry.dram is not None:
+            return True
+        try:
+            dst = self.allocate_dram(entry.payload_bytes)
+        except CapacityExhausted:
+            return False
+        view = self.dram.view(dst, entry.payload_bytes)
+        if payload is None:
+            assert self.gpu is not None and entry.gpu is not None
+            self.gpu.read_into(entry.gpu, entry.payload_bytes, view)
+            src = Tier.GPU
+        else:
+            view[:] = payload
+            src = Tier.SSD
+        self.index.set_residency(entry.key, Tier.DRAM, dst)
+        with self.counters.lock:
+            self.counters.promotions[(src, Tier.DRAM)] += 1
+        self.events.publish(
+            EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, src, Tier.DRAM
+        )
+        return True
+
+    def move_to_gpu(self, entry: PageEntry) -> None:
+        """Place a DRAM page in the GPU tier and release its DRAM copy. Mutates; may raise."""
+        assert self.gpu is not None and entry.dram is not None
+        dst = self.allocate_gpu(entry.payload_bytes)
+        self.gpu.write(dst, self.dram.view(entry.dram, entry.payload_bytes))
+        self.index.set_residency(entry.key, Tier.GPU, dst)
+        offset = entry.dram
+        self.index.set_residency(entry.key, Tier.DRAM, None)
+        self.dram.free(offset)
+
+    def move_to_ssd(self, entry: PageEntry) -> None:
+        """Write a DRAM page to SSD and release its DRAM copy. Mutates; may raise."""
+        assert self.ssd is not None and entry.dram is not None
+        self.make_room_ssd(entry.payload_bytes + len(entry.header))
+        self.ssd.write(PageHeader.decode(entry.header), self.dram.view(entry.dram, entry.payload_bytes))
+        self.index.set_residency(entry.key, Tier.SSD, True)
+        offset = entry.dram
+        self.index.set_residency(entry.key, Tier.DRAM, None)
+        self.dram.free(offset)
+
+    # ---- removal ----------------------------------------------------------------------------
+
+    def drop(self, entry: PageEntry, *, reason_tier: Tier | None, count_eviction: bool = True) -> None:
+        """Remove a page from every tier and the index. Mutates. The page must not be leased."""
+        if count_eviction and reason_tier is not None:
+            self._bump(self.counters.evictions, reason_tier)
+        key = entry.key
+        fastest = entry.fastest
+        self.index.remove(key)
+        if entry.gpu is not None and self.gpu is not None:
+            self.gpu.free(entry.gpu)
+        if entry.dram is not None:
+            self.dram.free(entry.dram)
+        if entry.ssd and self.ssd is not None:
+            self.ssd.delete(key)
+        self.events.publish(
+            EventKind.REMOVED, key, entry.scope_digest, entry.payload_bytes, fastest, None
+        )
+
+    def drop_corrupt(self, entry: PageEntry) -> None:
+        """Forget a page whose SSD copy failed verification. Mutates; counts it."""
+        with self.counters.lock:
+            self.counters.corrupt_dropped += 1
+        log.warning("dropping corrupt page %s", entry.key.hex())
+        if self.ssd is not None:
+            self.ssd.delete(entry.key)
+        if entry.dram is None and entry.gpu is None:
+            self.drop(entry, reason_tier=None, count_eviction=False)
+        else:
+            self.index.set_residency(entry.key, Tier.SSD, False)
+
+    # ---- reporting --------------------------------------------------------------------------
+
+    def gauges(self) -> list[TierGauge]:
+        out = []
+        if self.gpu is not None:
+            out.append(
+                TierGauge(Tier.GPU, self.gpu.capacity_bytes, self.gpu.used_bytes, self.index.pages_in(Tier.GPU))
+            )
+        out.append(
+            TierGauge(Tier.DRAM, self.dram.capacity_bytes, self.dram.used_bytes, self.index.pages_in(Tier.DRAM))
+        )
+        if self.ssd is not None:
+            out.append(
+                TierGauge(Tier.SSD, self.ssd.capacity_bytes, self.ssd.used_bytes, self.index.pages_in(Tier.SSD))
+            )
+        return out
+
+    def _bump(self, table: dict[Tier, int], tier: Tier) -> None:
+        with self.counters.lock:
+            table[tier] += 1
+
+    def _move_event(self, entry: PageEntry, src: Tier, dst: Tier, *, demotion: bool) -> None:
+        with self.counters.lock:
+            (self.counters.demotions if demotion else self.counters.promotions)[(src, dst)] += 1
+        self.events.publish(EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, src, dst)

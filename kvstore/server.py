@@ -1,0 +1,181 @@
+"""The daemon process: gRPC server (TCP + unix socket), health, metrics endpoint, lifecycle.
+
+`create_server(config, store)` builds and binds a gRPC server (tests bind port 0) and returns it
+with its port; `Daemon` owns a Store plus that server and the Prometheus endpoint, and is what
+`strata serve` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from client.hostid import host_id
+from kvstore.config import StoreConfig, format_size
+from kvstore.errors import Unavailable
+from kvstore.metrics import StoreCollector, make_registry, serve_metrics
+from kvstore.service import NodeIdentity, StoreService
+from kvstore.store import Store
+from kvstore_pb import store_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "strata.store.v1.Store"
+
+
+def grpc_options(config: StoreConfig) -> list[tuple[str, int]]:
+    n = config.limits.max_message_bytes
+    return [
+        ("grpc.max_receive_message_length", n),
+        ("grpc.max_send_message_length", n),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ]
+
+
+def create_server(
+    config: StoreConfig, store: Store, *, unix_socket: str | None = None
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build and bind (not start) the gRPC server for `store`; returns (server, tcp port, health).
+
+    Raises Unavailable when the address cannot be bound.
+    """
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="strata-rpc"),
+        options=grpc_options(config),
+    )
+    address = f"{config.server.host}:{config.server.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise Unavailable(f"cannot listen on {address}: {exc}") from None
+    if port == 0:
+        raise Unavailable(f"cannot listen on {address} (in use?)")
+    local = ""
+    if unix_socket:
+        try:
+            os.unlink(unix_socket)
+        except FileNotFoundError:
+            pass
+        try:
+            if server.add_insecure_port(f"unix:{unix_socket}"):
+                local = f"unix:{unix_socket}"
+        except RuntimeError as exc:
+            log.warning("no unix socket at %s (%s); same-host clients will use TCP", unix_socket, exc)
+    node_id = config.server.node_id or f"{config.server.host}:{port}"
+    service = StoreService(store, NodeIdentity(node_id, host_id(), local))
+    store_pb2_grpc.add_StoreServicer_to_server(service, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, port, health_servicer
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonInfo:
+    address: str
+    port: int
+    local_address: str
+    metrics_url: str
+    segment_name: str
+
+
+class Daemon:
+    """A running store daemon. `start()` returns once it serves; `stop()` drains and closes."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        if config.server.port == 0 and not config.dram.segment_name:
+            # an ephemeral port gets an ephemeral, unique segment (parallel tests, benchmarks)
+            unique = f"strata-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            config = dataclasses.replace(config, dram=dataclasses.replace(config.dram, segment_name=unique))
+        self.config = config
+        self.store: Store | None = None
+        self.server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self._stop_metrics: Callable[[], None] | None = None
+        self.info: DaemonInfo | None = None
+
+    def start(self) -> DaemonInfo:
+        cfg = self.config
+        cfg.data_path.mkdir(parents=True, exist_ok=True)
+        store = Store(cfg)
+        self.store = store
+        try:
+            sock = cfg.unix_socket_path
+            sock_str = None
+            if sock is not None:
+                sock_str = str(sock if cfg.server.port else sock.with_name(f"strata-{uuid.uuid4().hex[:8]}.sock"))
+            server, port, health_servicer = create_server(cfg, store, unix_socket=sock_str)
+            self.server = server
+            self._health = health_servicer
+            metrics_url = ""
+            if cfg.server.metrics_port >= 0:
+                registry = make_registry(
+                    StoreCollector(
+                        store.counters,
+                        lambda: store.tiers.gauges(),
+                        store.scheduler.queue_depths,
+                        lambda: len(store.leases),
+                    )
+                )
+                self._stop_metrics, mport = serve_metrics(
+                    registry, cfg.server.metrics_host, cfg.server.metrics_port
+                )
+                metrics_url = f"http://{cfg.server.metrics_host}:{mport}/metrics"
+            server.start()
+            health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        except BaseException:
+            self.stop()
+            raise
+        local = f"unix:{sock_str}" if sock_str and os.path.exists(sock_str) else ""
+        self.info = DaemonInfo(
+            address=f"{cfg.server.host}:{port}",
+            port=port,
+            local_address=local,
+            metrics_url=metrics_url,
+            segment_name=store.tiers.dram.segment_name,
+        )
+        log.info(
+            "serving on %s (local %s); tiers: %s; %d pages rebuilt from SSD; metrics %s",
+            self.info.address, local or "none", self.describe_tiers(), store.rebuilt_pages,
+            metrics_url or "off",
+        )
+        return self.info
+
+    def describe_tiers(self) -> str:
+        assert self.store is not None
+        parts = []
+        for g in self.store.tiers.gauges():
+            parts.append(f"{g.tier.name.lower()} {format_size(g.capacity_bytes)}")
+        ssd = self.store.tiers.ssd
+        if ssd is not None:
+            parts[-1] += f" at {self.config.ssd_path}"
+        return ", ".join(parts)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop serving (finishing in-flight calls for up to grace_s) and close the store."""
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self.server is not None:
+            self.server.stop(grace_s).wait()
+            self.server = None
+        if self._stop_metrics is not None:
+            self._stop_metrics()
+            self._stop_metrics = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        if self.info and self.info.local_address:
+            try:
+                os.unlink(self.info.local_address.removeprefix("unix:"))
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,435 @@
+"""The gRPC servicer: converts messages, calls the store, maps typed errors to status codes.
+
+Nothing here decides anything about pages; it is the thin edge of the daemon (STYLE: thin edges).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from client.errors import (
+    CapacityExhausted,
+    Corrupt,
+    InvalidArgument,
+    LeaseExpired,
+    StrataError,
+    Unavailable,
+)
+from client.page import PageHeader
+from client.scope import KEY_BYTES, unpack_keys
+from kvstore.keys import IoClass, Tier
+from kvstore.store import Store
+from kvstore_pb import API_VERSION, store_pb2, store_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVER_VERSION = "0.1.0"
+_CODES: list[tuple[type[StrataError], grpc.StatusCode]] = [
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LeaseExpired, grpc.StatusCode.FAILED_PRECONDITION),
+    (Corrupt, grpc.StatusCode.DATA_LOSS),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+]
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeIdentity:
+    node_id: str
+    host_id: str
+    local_address: str  # "unix:/path" or ""
+
+
+def _abort(context: grpc.ServicerContext, exc: StrataError) -> None:
+    code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+    if isinstance(exc, CapacityExhausted):
+        context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
+    context.abort(code, str(exc))
+
+
+def unary(
+    fn: Callable[[StoreService, Req, grpc.ServicerContext], Resp],
+) -> Callable[[StoreService, Req, grpc.ServicerContext], Resp]:
+    """Map StrataError raised by a unary handler to its status code."""
+
+    @functools.wraps(fn)
+    def wrapper(self: StoreService, request: Req, context: grpc.ServicerContext) -> Resp:
+        try:
+            return fn(self, request, context)
+        except StrataError as exc:
+            _abort(context, exc)
+            raise AssertionError("unreachable") from exc
+
+    return wrapper
+
+
+def streaming(
+    fn: Callable[[StoreService, Req, grpc.ServicerContext], Iterator[Resp]],
+) -> Callable[[StoreService, Req, grpc.ServicerContext], Iterator[Resp]]:
+    """Map StrataError raised by a server-streaming handler to its status code."""
+
+    @functools.wraps(fn)
+    def wrapper(self: StoreService, request: Req, context: grpc.ServicerContext) -> Iterator[Resp]:
+        try:
+            yield from fn(self, request, context)
+        except StrataError as exc:
+            _abort(context, exc)
+
+    return wrapper
+
+
+def _io_class(value: int) -> IoClass:
+    if value == 0:
+        return IoClass.NORMAL
+    try:
+        return IoClass(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown I/O class {value}") from None
+
+
+def _tier(value: int) -> Tier | None:
+    if value == 0:
+        return None
+    try:
+        return Tier(value)
+    except ValueError:
+        raise InvalidArgument(f"unknown tier {value}") from None
+
+
+def _digest(value: bytes) -> bytes:
+    if len(value) != KEY_BYTES:
+        raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes, got {len(value)}")
+    return value
+
+
+class StoreService(store_pb2_grpc.StoreServicer):
+    """gRPC face of one Store."""
+
+    def __init__(self, store: Store, node: NodeIdentity) -> None:
+        self.store = store
+        self.node = node
+
+    @unary
+    def NodeInfo(
+        self, request: store_pb2.NodeInfoRequest, context: grpc.ServicerContext
+    ) -> store_pb2.NodeInfoResponse:
+        cfg = self.store.config
+        stats = self.store.stats()
+        dram = self.store.tiers.dram
+        gpu = self.store.tiers.gpu
+        return store_pb2.NodeInfoResponse(
+            node_id=self.node.node_id,
+            host_id=self.node.host_id,
+            api_version=API_VERSION,
+            server_version=SERVER_VERSION,
+            tiers=[
+                store_pb2.TierInfo(
+                    tier=int(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
+                    pages=g.pages, device=gpu.device if g.tier is Tier.GPU and gpu else "",
+                )
+                for g in stats.tiers
+            ],
+            limits=store_pb2.Limits(
+                max_keys_per_call=cfg.limits.max_keys_per_call,
+                max_page_bytes=cfg.limits.max_page_bytes,
+                max_message_bytes=cfg.limits.max_message_bytes,
+                chunk_bytes=cfg.limits.chunk_bytes,
+                lease_ttl_ms=cfg.limits.lease_ttl_ms,
+            ),
+            segments=[
+                store_pb2.SharedSegment(
+                    tier=store_pb2.TIER_DRAM, name=dram.segment_name, size_bytes=dram.size_bytes
+                )
+            ],
+            local_address=self.node.local_address,
+        )
+
+    @unary
+    def Lookup(
+        self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
+    ) -> store_pb2.LookupResponse:
+        outcome = self.store.lookup(_digest(request.scope_digest), unpack_keys(request.keys))
+        return store_pb2.LookupResponse(hit_count=outcome.hit_count, tiers=[int(t) for t in outcome.tiers])
+
+    # ---- remote data path -------------------------------------------------------------------
+
+    @unary
+    def Put(
+        self, request_iterator: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
+    ) -> store_pb2.PutResponse:
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("part") != "begin":
+            raise InvalidArgument("a put stream must start with PutBegin")
+        begin = first.begin
+        scope = self.store.scope_of(begin.scope)
+        io_class = _io_class(begin.io_class)
+        tier = _tier(begin.tier)
+        limits = self.store.config.limits
+        if begin.page_count > limits.max_keys_per_call:
+            raise InvalidArgument(
+                f"{begin.page_count} pages in one put; the limit is {limits.max_keys_per_call}"
+            )
+        writer = _PutWriter(self.store, scope.encode(), io_class, tier)
+        try:
+            for message in request_iterator:
+                if message.WhichOneof("part") != "chunk":
+                    raise InvalidArgument("PutBegin may only be the first message")
+                writer.chunk(message.chunk)
+            statuses = writer.finish(begin.page_count)
+        except BaseException:
+            writer.abort()
+            raise
+        return store_pb2.PutResponse(statuses=statuses)
+
+    @streaming
+    def Get(
+        self, request: store_pb2.GetRequest, context: grpc.ServicerContext
+    ) -> Iterator[store_pb2.GetResponse]:
+        keys = unpack_keys(request.keys)
+        io_class = _io_class(request.io_class)
+        chunk_bytes = self.store.config.limits.chunk_bytes
+        acq = self.store.acquire(_digest(request.scope_digest), keys, io_class)
+        try:
+            dram = self.store.tiers.dram
+            sent = 0
+            for i, page in enumerate(acq.pages):
+                if page is None:
+                    yield store_pb2.GetResponse(missing=i)
+                    continue
+                view = dram.view(page.offset, page.length)
+                for off in range(0, max(page.length, 1), chunk_bytes):
+                    with self.store.scheduler.admit(io_class, min(chunk_bytes, page.length - off)):
+                        data = bytes(view[off : off + chunk_bytes])
+                    yield store_pb2.GetResponse(
+                        chunk=store_pb2.PageChunk(
+                            index=i, header=page.header if off == 0 else b"", offset=off, data=data
+                        )
+                    )
+                sent += page.length
+            self.store.counters.add_bytes("grpc", "out", io_class, sent)
+        finally:
+            if acq.lease_id:
+                self.store.release(acq.lease_id)
+
+    # ---- same-host data path ------------------------------------------------------------------
+
+    @unary
+    def Reserve(
+        self, request: store_pb2.ReserveRequest, context: grpc.ServicerContext
+    ) -> store_pb2.ReserveResponse:
+        scope = self.store.scope_of(request.scope)
+        res = self.store.reserve(scope, list(request.headers), request.lease_ms)
+        return store_pb2.ReserveResponse(
+            lease_id=res.lease_id,
+            slots=[
+                store_pb2.Slot(reserved=s.reserved, segment=0, offset=s.offset, length=s.length)
+                for s in res.slots
+            ],
+            lease_expires_unix_ms=res.expires_unix_ms,
+        )
+
+    @unary
+    def Commit(
+        self, request: store_pb2.CommitRequest, context: grpc.ServicerContext
+    ) -> store_pb2.CommitResponse:
+        return store_pb2.CommitResponse(stored=self.store.commit(request.lease_id))
+
+    @unary
+    def Acquire(
+        self, request: store_pb2.AcquireRequest, context: grpc.ServicerContext
+    ) -> store_pb2.AcquireResponse:
+        io_class = _io_class(request.io_class)
+        acq = self.store.acquire(
+            _digest(request.scope_digest), unpack_keys(request.keys), io_class, request.lease_ms
+        )
+        pages = []
+        served = 0
+        for page in acq.pages:
+            if page is None:
+                pages.append(store_pb2.AcquiredPage(present=False))
+                continue
+            served += page.length
+            pages.append(
+                store_pb2.AcquiredPage(
+                    present=True, tier=int(page.tier), segment=0, offset=page.offset,
+                    length=page.length, header=page.header,
+                )
+            )
+        self.store.counters.add_bytes("shm", "out", io_class, served)
+        return store_pb2.AcquireResponse(
+            lease_id=acq.lease_id, pages=pages, lease_expires_unix_ms=acq.expires_unix_ms
+        )
+
+    @unary
+    def Release(
+        self, request: store_pb2.ReleaseRequest, context: grpc.ServicerContext
+    ) -> store_pb2.ReleaseResponse:
+        return store_pb2.ReleaseResponse(released=self.store.release(request.lease_id))
+
+    @unary
+    def Renew(
+        self, request: store_pb2.RenewRequest, context: grpc.ServicerContext
+    ) -> store_pb2.RenewResponse:
+        return store_pb2.RenewResponse(
+            lease_expires_unix_ms=self.store.renew(request.lease_id, request.lease_ms)
+        )
+
+    # ---- delete, stats, events -----------------------------------------------------------------
+
+    @unary
+    def Delete(
+        self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext
+    ) -> store_pb2.DeleteResponse:
+        which = request.WhichOneof("target")
+        if which == "keys":
+            deleted = self.store.delete(keys=unpack_keys(request.keys))
+        elif which == "scope_digest":
+            deleted = self.store.delete(scope_digest=_digest(request.scope_digest))
+        else:
+            raise InvalidArgument("delete needs keys or a scope digest")
+        return store_pb2.DeleteResponse(deleted=deleted)
+
+    @unary
+    def Stats(
+        self, request: store_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> store_pb2.StatsResponse:
+        stats = self.store.stats()
+        c = self.store.counters
+        with c.lock:
+            tiers = [
+                store_pb2.TierStats(
+                    tier=int(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
+                    pages=g.pages, hits=c.hits.get(g.tier, 0), misses=c.misses.get(g.tier, 0),
+                    evictions=c.evictions.get(g.tier, 0),
+                )
+                for g in stats.tiers
+            ]
+            return store_pb2.StatsResponse(
+                tiers=tiers,
+                pages=stats.pages,
+                demotions=sum(c.demotions.values()),
+                promotions=sum(c.promotions.values()),
+                corrupt_dropped=c.corrupt_dropped,
+                lease_expiries=c.lease_expiries,
+                active_leases=stats.active_leases,
+                lookups=c.lookups,
+                lookup_hit_pages=c.lookup_hit_pages,
+            )
+
+    @streaming
+    def Watch(
+        self, request: store_pb2.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[store_pb2.Event]:
+        scope = request.scope_digest
+        if scope:
+            _digest(scope)
+        events = self.store.events
+        cursor = events.last_seq
+        while context.is_active() and not events.closed:
+            for ev in events.read(cursor, timeout_s=0.5):
+                cursor = ev.seq
+                if scope and ev.scope_digest != scope:
+                    continue
+                yield store_pb2.Event(
+                    seq=ev.seq, kind=int(ev.kind), key=ev.key, scope_digest=ev.scope_digest,
+                    from_tier=int(ev.from_tier or 0), to_tier=int(ev.to_tier or 0),
+                    size_bytes=ev.size_bytes,
+                )
+
+
+class _PutWriter:
+    """Receives one put stream page by page into DRAM reservations; verifies each page."""
+
+    def __init__(self, store: Store, scope: bytes, io_class: IoClass, tier: Tier | None) -> None:
+        self._store = store
+        self._scope = store.scope_of(scope)
+        self._io_class = io_class
+        self._tier = tier
+        self._statuses: list[int] = []
+        self._index = -1
+        self._lease = 0
+        self._header: PageHeader | None = None
+        self._view: memoryview | None = None
+        self._received = 0
+
+    def chunk(self, chunk: store_pb2.PageChunk) -> None:
+        if chunk.index != self._index:
+            self._end_page()
+            if chunk.index != self._index + 1:
+                raise InvalidArgument(f"page {chunk.index} arrived out of order")
+            self._begin_page(chunk)
+        elif chunk.header:
+            raise InvalidArgument(f"page {chunk.index}: header repeated")
+        header = self._header
+        assert header is not None
+        data = chunk.data
+        if chunk.offset != self._received or chunk.offset + len(data) > header.payload_bytes:
+            raise InvalidArgument(
+                f"page {chunk.index}: chunk at {chunk.offset}+{len(data)} does not continue the "
+                f"{self._received} of {header.payload_bytes} bytes received"
+            )
+        if self._view is not None and data:
+            with self._store.scheduler.admit(self._io_class, len(data)):
+                self._view[chunk.offset : chunk.offset + len(data)] = data
+        self._received += len(data)
+
+    def _begin_page(self, chunk: store_pb2.PageChunk) -> None:
+        if not chunk.header:
+            raise InvalidArgument(f"page {chunk.index}: the first chunk must carry the header")
+        res = self._store.reserve(self._scope, [chunk.header], self._store.config.limits.max_lease_ttl_ms)
+        self._index = chunk.index
+        self._header = PageHeader.decode(chunk.header)
+        self._received = 0
+        slot = res.slots[0]
+        if slot.reserved:
+            self._lease = res.lease_id
+            self._view = self._store.tiers.dram.view(slot.offset, slot.length)
+        else:
+            self._store.release(res.lease_id)
+            self._lease = 0
+            self._view = None
+
+    def _end_page(self) -> None:
+        if self._header is None:
+            return
+        header = self._header
+        if self._received != header.payload_bytes:
+            raise InvalidArgument(
+                f"page {self._index}: got {self._received} of {header.payload_bytes} payload bytes"
+            )
+        if self._view is None:
+            self._statuses.append(store_pb2.PUT_STATUS_ALREADY_PRESENT)
+        else:
+            try:
+                header.verify_payload(self._view)
+            except Corrupt:
+                with self._store.counters.lock:
+                    self._store.counters.corrupt_dropped += 1
+                raise
+            lease, self._lease, self._view = self._lease, 0, None
+            stored = self._store.commit(lease, self._tier, self._io_class, path="grpc")
+            self._statuses.append(
+                store_pb2.PUT_STATUS_STORED if stored else store_pb2.PUT_STATUS_ALREADY_PRESENT
+            )
+        self._header = None
+
+    def finish(self, page_count: int) -> list[int]:
+        self._end_page()
+        if len(self._statuses) != page_count:
+            raise InvalidArgument(f"put announced {page_count} pages but sent {len(self._statuses)}")
+        return self._statuses
+
+    def abort(self) -> None:
+        self._view = None
+        if self._lease:
+            self._store.abort(self._lease)
+            self._lease = 0

@@ -1,0 +1,575 @@
+"""The store: the daemon's operations on pages, above the index, tiers and leases.
+
+One lock guards the index, the tiers' allocators, the lease table and pending reservations.
+Slow work never runs under it: SSD reads happen with the pages pinned and the lock released,
+and background movement (write-through, watermark demotion, lease expiry) runs in the mover.
+
+Every public method says whether it mutates, what it leases and what it raises. A miss is a
+result, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from client.page import PageHeader
+from client.scope import KEY_BYTES, Scope
+from kvstore.config import StoreConfig
+from kvstore.errors import CapacityExhausted, Corrupt, InvalidArgument, LeaseExpired
+from kvstore.events import EventKind, EventLog
+from kvstore.index import Index, PageEntry
+from kvstore.keys import IoClass, Tier
+from kvstore.leases import Lease, LeaseKind, LeaseTable
+from kvstore.metrics import StoreCounters, TierGauge
+from kvstore.mover import Mover
+from kvstore.movement import Tiers
+from kvstore.policy import WriteMode, make_admission
+from kvstore.scheduler import IoScheduler
+from kvstore.tiers.dram import DramTier
+from kvstore.tiers.gpu import GpuTier
+from kvstore.tiers.ssd import SsdTier
+
+log = logging.getLogger(__name__)
+
+_SCOPE_CACHE = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class LookupOutcome:
+    hit_count: int
+    tiers: tuple[Tier, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotGrant:
+    """Where a client writes one reserved page (`reserved` False: already present, skip it)."""
+
+    reserved: bool
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    lease_id: int
+    slots: tuple[SlotGrant, ...]
+    expires_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldPage:
+    """A page pinned in DRAM under a read lease; `None` fields when it was a miss."""
+
+    tier: Tier
+    offset: int
+    length: int
+    header: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Acquisition:
+    lease_id: int  # 0 when nothing was present
+    pages: tuple[HeldPage | None, ...]
+    expires_unix_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutPlan:
+    """Side-effect-free plan of a write: which pages are new, and how many bytes they need."""
+
+    scope: Scope
+    headers: tuple[PageHeader, ...]
+    new: tuple[int, ...]  # indexes into headers of pages to store
+    need_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    tiers: tuple[TierGauge, ...]
+    pages: int
+    active_leases: int
+
+
+@dataclass(slots=True)
+class _Pending:
+    header: PageHeader
+    raw_header: bytes
+    offset: int
+
+
+class Store:
+    """Pages in tiers, keyed by 16-byte page keys. Thread-safe."""
+
+    def __init__(self, config: StoreConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.index = Index()
+        self.leases = LeaseTable(clock)
+        self.counters = StoreCounters()
+        self.events = EventLog()
+        self.scheduler = IoScheduler(config.io.concurrency, config.io.background_bytes_per_s)
+        self.write_mode = WriteMode.parse(config.ssd.write_mode)
+        dram = DramTier(config.dram.capacity_bytes, config.segment_name)
+        ssd = gpu = None
+        try:
+            if config.ssd.enabled:
+                ssd = SsdTier(
+                    config.ssd_path,
+                    config.ssd.capacity_bytes,
+                    sync_writes=config.ssd.sync_writes,
+                    min_blob_bytes=config.ssd.min_blob_bytes,
+                )
+            if config.gpu.enabled:
+                gpu = GpuTier(config.gpu.capacity_bytes, config.gpu.device)
+        except BaseException:
+            dram.close()
+            if ssd is not None:
+                ssd.close()
+            raise
+        self.tiers = Tiers(
+            self.index, dram, ssd, gpu, make_admission(config.ssd.admission), self.counters, self.events
+        )
+        self._pending: dict[int, list[_Pending | None]] = {}
+        self._pending_keys: set[bytes] = set()
+        self._doomed: set[bytes] = set()
+        self._scopes: OrderedDict[bytes, Scope] = OrderedDict()
+        self.rebuilt_pages = self._rebuild()
+        self.mover = Mover(
+            self._lock, self.tiers, self.scheduler, config.dram, self.reap_leases, self._unpin
+        )
+        self.mover.start()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _rebuild(self) -> int:
+        """Rebuild the index from the SSD tier's page headers (restart). Mutates the index."""
+        ssd = self.tiers.ssd
+        if ssd is None:
+            return 0
+        result = ssd.scan()
+        if result.dropped:
+            with self.counters.lock:
+                self.counters.corrupt_dropped += result.dropped
+            log.warning("dropped %d unreadable SSD pages while rebuilding the index", result.dropped)
+        for header in result.headers:
+            self.index.insert(
+                PageEntry(
+                    key=header.key,
+                    parent=header.parent,
+                    scope_digest=header.scope_digest,
+                    header=header.encode(),
+                    payload_bytes=header.payload_bytes,
+                    gpu=None,
+                    dram=None,
+                    ssd=True,
+                )
+            )
+        return len(result.headers)
+
+    def close(self) -> None:
+        """Stop the mover, flush the SSD tier, unmap and unlink the DRAM segment."""
+        self.mover.stop()
+        self.events.close()
+        with self._lock:
+            if self.tiers.ssd is not None:
+                self.tiers.ssd.flush()
+                self.tiers.ssd.close()
+            if self.tiers.gpu is not None:
+                self.tiers.gpu.close()
+            self.tiers.dram.close()
+
+    def drain(self) -> None:
+        """Block until background movement queued so far is done (tests, benchmarks)."""
+        self.mover.drain()
+
+    # ---- validation helpers -----------------------------------------------------------------
+
+    def _check_keys(self, keys: Sequence[bytes]) -> None:
+        if len(keys) > self.config.limits.max_keys_per_call:
+            raise InvalidArgument(
+                f"{len(keys)} keys in one call; the limit is {self.config.limits.max_keys_per_call}"
+            )
+
+    def scope_of(self, encoded: bytes) -> Scope:
+        """Decode (and cache) a canonical scope encoding. Raises InvalidArgument."""
+        with self._lock:
+            scope = self._scopes.get(encoded)
+            if scope is not None:
+                self._scopes.move_to_end(encoded)
+                return scope
+        scope = Scope.decode(encoded)
+        with self._lock:
+            self._scopes[encoded] = scope
+            if len(self._scopes) > _SCOPE_CACHE:
+                self._scopes.popitem(last=False)
+        return scope
+
+    def _ttl_s(self, lease_ms: int) -> float:
+        limits = self.config.limits
+        ms = lease_ms or limits.lease_ttl_ms
+        return min(ms, limits.max_lease_ttl_ms) / 1000.0
+
+    def _unix_ms(self, lease: Lease) -> int:
+        return int((time.time() + lease.expires_at - self._clock()) * 1000)
+
+    # ---- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, scope_digest: bytes, keys: Sequence[bytes]) -> LookupOutcome:
+        """Longest present prefix of `keys` in `scope_digest`. Read-only; no lease."""
+        self._check_keys(keys)
+        if len(scope_digest) != KEY_BYTES:
+            raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
+        with self._lock:
+            hits = self.index.lookup_prefix(scope_digest, keys)
+            tiers = tuple(e.fastest or Tier.SSD for e in hits)
+        with self.counters.lock:
+            self.counters.lookups += 1
+            self.counters.lookup_hit_pages += len(tiers)
+        return LookupOutcome(len(tiers), tiers)
+
+    # ---- writes: plan, reserve, commit ------------------------------------------------------
+
+    def plan_put(self, scope: Scope, raw_headers: Sequence[bytes]) -> PutPlan:
+        """Validate headers against `scope` and find the pages not yet stored. No side effects.
+
+        Raises InvalidArgument for a malformed header, a page of another scope or layout, an
+        oversize page or too many pages.
+        """
+        self._check_keys(raw_headers)
+        limit = self.config.limits.max_page_bytes
+        headers = []
+        for raw in raw_headers:
+            try:
+                header = PageHeader.decode(raw)
+            except Corrupt as exc:
+                raise InvalidArgument(f"malformed page header: {exc}") from None
+            if header.payload_bytes > limit:
+                raise InvalidArgument(
+                    f"page of {header.payload_bytes} bytes exceeds max_page_bytes {limit}"
+                )
+            header.validate_for(scope)
+            headers.append(header)
+        seen: set[bytes] = set()
+        new = []
+        need = 0
+        with self._lock:
+            for i, header in enumerate(headers):
+                key = header.key
+                if key in seen or key in self.index or key in self._pending_keys:
+                    continue
+                seen.add(key)
+                new.append(i)
+                need += header.payload_bytes
+        return PutPlan(scope, tuple(headers), tuple(new), need)
+
+    def reserve(self, scope: Scope, raw_headers: Sequence[bytes], lease_ms: int = 0) -> Reservation:
+        """Reserve DRAM slots for the new pages among `raw_headers`. Mutates; takes a RESERVE lease.
+
+        Evicts (demotes) unleased pages as needed. Raises InvalidArgument (see plan_put) or
+        CapacityExhausted — in which case nothing was reserved and nothing else changed.
+        """
+        plan = self.plan_put(scope, raw_headers)
+        with self._lock:
+            self.reap_leases()
+            new = [i for i in plan.new if plan.headers[i].key not in self.index
+                   and plan.headers[i].key not in self._pending_keys]
+            granted: list[_Pending | None] = [None] * len(plan.headers)
+            try:
+                for i in new:
+                    header = plan.headers[i]
+                    offset = self.tiers.allocate_dram(header.payload_bytes)
+                    granted[i] = _Pending(header, bytes(raw_headers[i]), offset)
+            except CapacityExhausted:
+                for pending in granted:
+                    if pending is not None:
+                        self.tiers.dram.free(pending.offset)
+                raise
+            keys = tuple(p.header.key for p in granted if p is not None)
+            lease = self.leases.grant(LeaseKind.RESERVE, keys, self._ttl_s(lease_ms))
+            self._pending[lease.lease_id] = granted
+            self._pending_keys.update(keys)
+        slots = tuple(
+            SlotGrant(True, p.offset, p.header.payload_bytes) if p is not None else SlotGrant(False, 0, 0)
+            for p in granted
+        )
+        return Reservation(lease.lease_id, slots, self._unix_ms(lease))
+
+    def commit(
+        self, lease_id: int, tier: Tier | None = None, io_class: IoClass = IoClass.NORMAL,
+        path: str = "shm",
+    ) -> int:
+        """Make a reservation's pages visible. Mutates; ends the lease. Returns pages stored.
+
+        `tier` GPU or SSD moves the pages there right away (DRAM is the default home).
+        Raises LeaseExpired for an unknown, expired or non-reservation lease.
+        """
+        with self._lock:
+            self.reap_leases()
+            lease = self.leases.release(lease_id)
+            granted = self._pending.pop(lease_id, None)
+            if lease.kind is not LeaseKind.RESERVE or granted is None:
+                raise LeaseExpired(f"lease {lease_id} is not a write reservation")
+            stored = 0
+            for pending in granted:
+                if pending is None:
+                    continue
+                key = pending.header.key
+                self._pending_keys.discard(key)
+                if key in self.index:  # stored meanwhile by another path
+                    self.tiers.dram.free(pending.offset)
+                    continue
+                self.index.insert(
+                    PageEntry(
+                        key=key,
+                        parent=pending.header.parent,
+                        scope_digest=pending.header.scope_digest,
+                        header=pending.raw_header,
+                        payload_bytes=pending.header.payload_bytes,
+                        gpu=None,
+                        dram=pending.offset,
+                        ssd=False,
+                    )
+                )
+                stored += 1
+                self.events.publish(
+                    EventKind.STORED, key, pending.header.scope_digest,
+                    pending.header.payload_bytes, None, Tier.DRAM,
+                )
+                self._place(self.index.get(key), tier)
+            self.counters.add_bytes(
+                path, "in", io_class, sum(p.header.payload_bytes for p in granted if p is not None)
+            )
+        self.mover.kick()
+        return stored
+
+    def _place(self, entry: PageEntry | None, tier: Tier | None) -> None:
+        if entry is None:
+            return
+        if tier is Tier.GPU and self.tiers.gpu is not None:
+            self.tiers.move_to_gpu(entry)
+        elif tier is Tier.SSD and self.tiers.ssd is not None:
+            self.tiers.move_to_ssd(entry)
+        elif self.write_mode is WriteMode.WRITE_THROUGH and self.tiers.ssd is not None:
+            self.mover.write_through(entry.key)
+
+    def abort(self, lease_id: int) -> bool:
+        """Cancel a reservation (frees its slots). Mutates. False if unknown or expired."""
+        with self._lock:
+            try:
+                lease = self.leases.release(lease_id)
+            except LeaseExpired:
+                return False
+            self._end_lease(lease)
+            return True
+
+    # ---- reads: acquire, release ------------------------------------------------------------
+
+    def acquire(
+        self, scope_digest: bytes, keys: Sequence[bytes], io_class: IoClass = IoClass.NORMAL,
+        lease_ms: int = 0,
+    ) -> Acquisition:
+        """Pin each present page in DRAM under one READ lease. Mutates (promotes SSD/GPU hits).
+
+        A page absent, of another scope, failing verification or with no DRAM room is `None`.
+        Raises InvalidArgument for bad keys.
+        """
+        self._check_keys(keys)
+        held: list[HeldPage | None] = [None] * len(keys)
+        pinned: list[bytes] = []
+        need_ssd: list[int] = []
+        with self._lock:
+            self.reap_leases()
+            for i, key in enumerate(keys):
+                entry = self.index.get(key)
+                if entry is None or entry.scope_digest != scope_digest or key in self._doomed:
+                    self._count_miss(Tier.GPU if self.tiers.gpu else Tier.DRAM, through_ssd=True)
+                    continue
+                self.index.pin(key)
+                pinned.append(key)
+                if entry.dram is None and entry.gpu is None:
+                    need_ssd.append(i)
+        payloads: dict[int, bytes | None] = {}
+        if need_ssd:
+            payloads = self._read_ssd([keys[i] for i in need_ssd], need_ssd, io_class)
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self.index.get(key)
+                if entry is None or key not in pinned:
+                    continue
+                source = entry.fastest
+                if entry.dram is None:
+                    payload = None
+                    if entry.gpu is None:
+                        payload = payloads.get(i)
+                        if payload is None:  # failed verification, or lost from the SSD
+                            self._unpin(key)
+                            pinned.remove(key)
+                            self._drop_if_unpinned(entry, corrupt=True)
+                            continue
+                    if not self.tiers.promote_to_dram(entry, payload):
+                        self._unpin(key)
+                        pinned.remove(key)
+                        log.warning("no DRAM room to serve page %s; reported as a miss", key.hex())
+                        continue
+                assert entry.dram is not None and source is not None
+                self.index.touch(key)
+                self._count_hit(source)
+                held[i] = HeldPage(source, entry.dram, entry.payload_bytes, entry.header)
+            if not pinned:
+                return Acquisition(0, tuple(held), 0)
+            lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
+        return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
+
+    def _read_ssd(self, keys: list[bytes], idx: list[int], io_class: IoClass) -> dict[int, bytes | None]:
+        """Read and verify pinned SSD pages, lock free. None marks a corrupt page."""
+        ssd = self.tiers.ssd
+        out: dict[int, bytes | None] = {}
+        if ssd is None:
+            return out
+        with self.scheduler.admit(io_class, 0):
+            for i, key in zip(idx, keys, strict=True):
+                try:
+                    found = ssd.read(key)
+                except Corrupt as exc:
+                    log.warning("SSD page %s failed verification: %s", key.hex(), exc)
+                    out[i] = None
+                    continue
+                if found is not None:
+                    out[i] = found[1]
+                    self.counters.add_bytes("ssd", "out", io_class, len(found[1]))
+        return out
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease (read: unpin; reservation: abort). Mutates. False if unknown/expired."""
+        with self._lock:
+            try:
+                lease = self.leases.release(lease_id)
+            except LeaseExpired:
+                return False
+            self._end_lease(lease)
+            return True
+
+    def renew(self, lease_id: int, lease_ms: int = 0) -> int:
+        """Extend a lease; returns its new expiry (unix ms). Raises LeaseExpired."""
+        with self._lock:
+            lease = self.leases.renew(lease_id, self._ttl_s(lease_ms))
+        return self._unix_ms(lease)
+
+    def reap_leases(self) -> int:
+        """End every lease past its expiry. Mutates; caller may or may not hold the lock."""
+        with self._lock:
+            expired = self.leases.expire_due()
+            for lease in expired:
+                self._end_lease(lease)
+        if expired:
+            with self.counters.lock:
+                self.counters.lease_expiries += len(expired)
+            log.info("%d leases expired", len(expired))
+        return len(expired)
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease.kind is LeaseKind.RESERVE:
+            for pending in self._pending.pop(lease.lease_id, []):
+                if pending is not None:
+                    self._pending_keys.discard(pending.header.key)
+                    self.tiers.dram.free(pending.offset)
+            return
+        for key in lease.keys:
+            self._unpin(key)
+
+    def _unpin(self, key: bytes) -> None:
+        """Drop one pin; a page deleted while pinned goes when its last pin does. Lock held."""
+        entry = self.index.get(key)
+        if entry is None:
+            return
+        self.index.unpin(key)
+        if key in self._doomed:
+            self._drop_if_unpinned(entry)
+
+    def _drop_if_unpinned(self, entry: PageEntry, *, corrupt: bool = False) -> None:
+        if corrupt:
+            if entry.leases == 0:
+                self._doomed.discard(entry.key)
+                self.tiers.drop_corrupt(entry)
+            else:
+                with self.counters.lock:
+                    self.counters.corrupt_dropped += 1
+                self._doomed.add(entry.key)
+            return
+        if entry.leases:
+            return
+        self._doomed.discard(entry.key)
+        self.tiers.drop(entry, reason_tier=None, count_eviction=False)
+
+    # ---- delete, stats ------------------------------------------------------------------------
+
+    def delete(self, keys: Sequence[bytes] | None = None, scope_digest: bytes | None = None) -> int:
+        """Remove pages by key or by scope. Mutates. Leased pages go when their lease ends.
+
+        Returns the number of pages deleted (including those deferred behind a lease).
+        """
+        if (keys is None) == (scope_digest is None):
+            raise InvalidArgument("delete needs exactly one of keys or scope_digest")
+        with self._lock:
+            targets = list(keys) if keys is not None else self.index.keys_of_scope(scope_digest or b"")
+            if keys is not None:
+                self._check_keys(targets)
+            deleted = 0
+            for key in targets:
+                entry = self.index.get(key)
+                if entry is None or key in self._doomed:
+                    continue
+                deleted += 1
+                if entry.leases:
+                    self._doomed.add(key)
+                else:
+                    self.tiers.drop(entry, reason_tier=None, count_eviction=False)
+            return deleted
+
+    def stats(self) -> StoreStats:
+        """A snapshot of tier occupancy. Read-only. (Counters: read `self.counters`.)"""
+        with self._lock:
+            return StoreStats(tuple(self.tiers.gauges()), len(self.index), len(self.leases))
+
+    def check_integrity(self) -> None:
+        """Verify the index's derived state and the tiers' byte accounting. Raises RuntimeError."""
+        with self._lock:
+            self.index.check_integrity()
+            dram_blocks = sum(
+                1 for key in self.index_keys() if (e := self.index.get(key)) and e.dram is not None
+            )
+            pending = sum(1 for g in self._pending.values() for p in g if p is not None)
+            if dram_blocks + pending != self.tiers.dram.allocated_blocks:
+                raise RuntimeError(
+                    f"DRAM blocks: {self.tiers.dram.allocated_blocks} allocated, "
+                    f"{dram_blocks} resident + {pending} pending"
+                )
+
+    def index_keys(self) -> list[bytes]:
+        with self._lock:
+            return self.index.keys()
+
+    # ---- accounting -------------------------------------------------------------------------
+
+    def _count_hit(self, tier: Tier) -> None:
+        with self.counters.lock:
+            self.counters.hits[tier] += 1
+            # every faster tier that exists was consulted and missed
+            for faster in (Tier.GPU, Tier.DRAM):
+                if faster < tier and (faster is not Tier.GPU or self.tiers.gpu is not None):
+                    self.counters.misses[faster] += 1
+
+    def _count_miss(self, first: Tier, *, through_ssd: bool) -> None:
+        with self.counters.lock:
+            for tier in (Tier.GPU, Tier.DRAM, Tier.SSD):
+                if tier < first:
+                    continue
+                if tier is Tier.SSD and (self.tiers.ssd is None or not through_ssd):
+                    continue
+                self.counters.misses[tier] += 1

@@ -1,0 +1,1 @@
+"""Workloads, benchmarks and load tests for Strata."""

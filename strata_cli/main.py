@@ -1,0 +1,68 @@
+"""`strata <command>`: dispatches to the component that implements each subcommand.
+
+Imports are lazy so that `strata serve` never loads torch, and each component stays the only
+owner of its own arguments.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+USAGE = """usage: strata <command> [args]
+
+commands:
+  serve              run the store daemon (DRAM + SSD tiers under ~/.cache/strata by default)
+  bench store        store put/get/lookup benchmark vs memcpy (same-host and remote paths)
+  model init PATH    write a random-weight checkpoint (--preset tiny|small)
+
+`strata <command> --help` shows each command's options.
+"""
+
+
+def _serve(argv: Sequence[str]) -> int:
+    from kvstore.cli import main
+
+    return main(argv)
+
+
+def _bench(argv: Sequence[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: strata bench store [--help]")
+        return 0 if argv else 2
+    what, rest = argv[0], argv[1:]
+    if what == "store":
+        from loadtests.bench_store import main
+
+        return main(rest)
+    print(f"strata bench: unknown benchmark {what!r} (known: store)", file=sys.stderr)
+    return 2
+
+
+def _model(argv: Sequence[str]) -> int:
+    from engine.cli_model import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "serve": _serve,
+    "bench": _bench,
+    "model": _model,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    command = COMMANDS.get(args[0])
+    if command is None:
+        print(f"strata: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return command(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
