@@ -5,6 +5,7 @@ Engines import only what this module exports (DESIGN §2).
 
 from __future__ import annotations
 
+from client.async_client import AsyncStoreClient
 from client.errors import (
     CapacityExhausted,
     Corrupt,
@@ -16,20 +17,59 @@ from client.errors import (
 )
 from client.page import PageHeader, decode_page, encode_page, make_header
 from client.scope import KEY_BYTES, KVLayout, Scope, Shard, chain_key, page_keys
+from client.store_client import StoreClient
+from client.types import (
+    Event,
+    EventKind,
+    GetResult,
+    IoClass,
+    Limits,
+    LookupResult,
+    NodeInfo,
+    Page,
+    PutResult,
+    PutStatus,
+    Segment,
+    StoreStats,
+    Tier,
+    TierInfo,
+    TierStats,
+    WritableBuffer,
+    build_pages,
+)
 
 __all__ = [
     "KEY_BYTES",
+    "AsyncStoreClient",
     "CapacityExhausted",
     "Corrupt",
     "DeadlineExceeded",
+    "Event",
+    "EventKind",
+    "GetResult",
     "InvalidArgument",
+    "IoClass",
     "KVLayout",
     "LeaseExpired",
+    "Limits",
+    "LookupResult",
+    "NodeInfo",
+    "Page",
     "PageHeader",
+    "PutResult",
+    "PutStatus",
     "Scope",
+    "Segment",
     "Shard",
+    "StoreClient",
+    "StoreStats",
     "StrataError",
+    "Tier",
+    "TierInfo",
+    "TierStats",
     "Unavailable",
+    "WritableBuffer",
+    "build_pages",
     "chain_key",
     "decode_page",
     "encode_page",

@@ -7,7 +7,7 @@ Header, little-endian, `HEADER_FIXED_BYTES + 4 * token_count + 8` bytes:
     token_count u32 | dtype code u8 | 3 reserved
     num_layers u32 | num_kv_heads u32 | head_dim u32 | page_tokens u32
     payload_bytes u64 | payload xxh3-64 u64
-    token ids u32 × token_count
+    token ids u32 x token_count
     header xxh3-64 u64 (over every header byte before it)
 
 The header has its own checksum as well as the payload's, so a flipped byte anywhere in a stored

@@ -136,7 +136,7 @@ def _per_tier(name: str, doc: str, data: dict[Tier, int]) -> CounterMetricFamily
 
 def make_registry(collector: StoreCollector) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)  # type: ignore[arg-type]
+    registry.register(collector)
     return registry
 
 

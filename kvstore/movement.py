@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from client.page import PageHeader
-from kvstore.errors import CapacityExhausted, Corrupt
+from kvstore.errors import CapacityExhausted
 from kvstore.events import EventKind, EventLog
 from kvstore.index import Index, PageEntry
 from kvstore.keys import Tier

@@ -7,6 +7,7 @@ with its port; `Daemon` owns a Store plus that server and the Prometheus endpoin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -62,10 +63,8 @@ def create_server(
         raise Unavailable(f"cannot listen on {address} (in use?)")
     local = ""
     if unix_socket:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(unix_socket)
-        except FileNotFoundError:
-            pass
         try:
             if server.add_insecure_port(f"unix:{unix_socket}"):
                 local = f"unix:{unix_socket}"
@@ -175,7 +174,5 @@ class Daemon:
             self.store.close()
             self.store = None
         if self.info and self.info.local_address:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.info.local_address.removeprefix("unix:"))
-            except FileNotFoundError:
-                pass

@@ -105,6 +105,10 @@ def _tier(value: int) -> Tier | None:
         raise InvalidArgument(f"unknown tier {value}") from None
 
 
+def _pb_tier(tier: Tier | None) -> store_pb2.Tier.ValueType:
+    return store_pb2.Tier.ValueType(int(tier) if tier is not None else 0)
+
+
 def _digest(value: bytes) -> bytes:
     if len(value) != KEY_BYTES:
         raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes, got {len(value)}")
@@ -133,7 +137,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             server_version=SERVER_VERSION,
             tiers=[
                 store_pb2.TierInfo(
-                    tier=int(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
+                    tier=_pb_tier(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
                     pages=g.pages, device=gpu.device if g.tier is Tier.GPU and gpu else "",
                 )
                 for g in stats.tiers
@@ -158,7 +162,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> store_pb2.LookupResponse:
         outcome = self.store.lookup(_digest(request.scope_digest), unpack_keys(request.keys))
-        return store_pb2.LookupResponse(hit_count=outcome.hit_count, tiers=[int(t) for t in outcome.tiers])
+        return store_pb2.LookupResponse(hit_count=outcome.hit_count, tiers=[_pb_tier(t) for t in outcome.tiers])
 
     # ---- remote data path -------------------------------------------------------------------
 
@@ -260,7 +264,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             served += page.length
             pages.append(
                 store_pb2.AcquiredPage(
-                    present=True, tier=int(page.tier), segment=0, offset=page.offset,
+                    present=True, tier=_pb_tier(page.tier), segment=0, offset=page.offset,
                     length=page.length, header=page.header,
                 )
             )
@@ -307,7 +311,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         with c.lock:
             tiers = [
                 store_pb2.TierStats(
-                    tier=int(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
+                    tier=_pb_tier(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
                     pages=g.pages, hits=c.hits.get(g.tier, 0), misses=c.misses.get(g.tier, 0),
                     evictions=c.evictions.get(g.tier, 0),
                 )
@@ -340,8 +344,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 if scope and ev.scope_digest != scope:
                     continue
                 yield store_pb2.Event(
-                    seq=ev.seq, kind=int(ev.kind), key=ev.key, scope_digest=ev.scope_digest,
-                    from_tier=int(ev.from_tier or 0), to_tier=int(ev.to_tier or 0),
+                    seq=ev.seq, kind=store_pb2.EventKind.ValueType(int(ev.kind)), key=ev.key, scope_digest=ev.scope_digest,
+                    from_tier=_pb_tier(ev.from_tier), to_tier=_pb_tier(ev.to_tier),
                     size_bytes=ev.size_bytes,
                 )
 
@@ -354,7 +358,7 @@ class _PutWriter:
         self._scope = store.scope_of(scope)
         self._io_class = io_class
         self._tier = tier
-        self._statuses: list[int] = []
+        self._statuses: list[store_pb2.PutStatus.ValueType] = []
         self._index = -1
         self._lease = 0
         self._header: PageHeader | None = None
@@ -422,7 +426,7 @@ class _PutWriter:
             )
         self._header = None
 
-    def finish(self, page_count: int) -> list[int]:
+    def finish(self, page_count: int) -> list[store_pb2.PutStatus.ValueType]:
         self._end_page()
         if len(self._statuses) != page_count:
             raise InvalidArgument(f"put announced {page_count} pages but sent {len(self._statuses)}")

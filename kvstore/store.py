@@ -26,8 +26,8 @@ from kvstore.index import Index, PageEntry
 from kvstore.keys import IoClass, Tier
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.metrics import StoreCounters, TierGauge
-from kvstore.mover import Mover
 from kvstore.movement import Tiers
+from kvstore.mover import Mover
 from kvstore.policy import WriteMode, make_admission
 from kvstore.scheduler import IoScheduler
 from kvstore.tiers.dram import DramTier

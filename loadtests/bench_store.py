@@ -1,7 +1,7 @@
 """`strata bench store`: store put/get/lookup throughput and latency, side by side with memcpy.
 
 The daemon runs in its own process (started here on loopback, port 0, in a temporary folder).
-For each batch shape (64 × 64 KiB, 64 × 1 MiB, 16 × 4 MiB by default) it times, in the same run:
+For each batch shape (64 x 64 KiB, 64 x 1 MiB, 16 x 4 MiB by default) it times, in the same run:
 a plain memcpy of the same bytes into the same destination buffers; put and get through the
 same-host shared-memory path; and put and get through the remote gRPC path. Then a lookup of a
 512-page chain (hit and miss), a get that misses, and SSD-tier reads against `fio` where it is
@@ -111,7 +111,7 @@ def bench_shape(
         def get(_: int, client: StoreClient = client, keys: list[bytes] = keys) -> None:
             got = client.get(scope, keys, dst)
             if got.hit_count != len(keys):
-                raise RuntimeError(f"{label} get found {got.hit_count} of {len(keys)} pages")
+                raise RuntimeError(f"get found {got.hit_count} of {len(keys)} pages")
 
         results.append(summarize(f"{label} get", shape, nbytes, time_calls(get, iters), base))
         if dst[0] != src[0]:
@@ -128,7 +128,7 @@ def bench_lookup(client: StoreClient, iters: int) -> list[Timing]:
     for start in range(0, 512, 64):
         client.put(scope, pages[start : start + 64])
     keys = [p.header.key for p in pages]
-    miss_keys = [bytes(16)] + keys[1:]
+    miss_keys = [bytes(16), *keys[1:]]
 
     def hit(_: int) -> None:
         if client.lookup(scope, keys).hit_count != 512:
@@ -197,7 +197,7 @@ def bench_ssd(remote: StoreClient, shm: StoreClient, folder: Path, pages: int) -
             raise RuntimeError("SSD get missed")
     fio = fio_randread_gbs(folder, 256)
     note = "page cache dropped" if dropped else "page cache NOT dropped (not allowed here)"
-    t = summarize(f"ssd get ({note})", "16 × 1MiB", 16 << 20, secs, fio)
+    t = summarize(f"ssd get ({note})", "16 x 1MiB", 16 << 20, secs, fio)
     out = [t]
     if fio is not None:
         out.append(Timing("fio randread 1MiB", "direct", 0, 0.0, 0.0, fio, None))
@@ -206,7 +206,7 @@ def bench_ssd(remote: StoreClient, shm: StoreClient, folder: Path, pages: int) -
 
 
 def print_table(rows: list[Timing]) -> None:
-    print(f"{'operation':<44} {'batch':<10} {'p50 ms':>9} {'p99 ms':>9} {'GB/s':>7} {'×memcpy':>8}")
+    print(f"{'operation':<44} {'batch':<10} {'p50 ms':>9} {'p99 ms':>9} {'GB/s':>7} {'xmemcpy':>8}")
     for r in rows:
         ratio = f"{r.ratio_to_memcpy:.2f}" if r.ratio_to_memcpy is not None else ""
         gbs = f"{r.gb_per_s:.2f}" if r.gb_per_s else ""
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for shape in ns.shapes.split(","):
                 count, page_bytes = SHAPES[shape]
-                print(f"  {count} × {shape} pages …", flush=True)
+                print(f"  {count} x {shape} pages …", flush=True)
                 rows += bench_shape(shm, remote, shape, count, page_bytes, ns.iters)
             print("  lookups …", flush=True)
             rows += bench_lookup(shm, max(ns.iters, 50))

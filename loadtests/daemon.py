@@ -7,6 +7,7 @@ timeout; `kill()` sends SIGKILL (crash tests).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -106,10 +107,8 @@ class DaemonProcess:
             self.proc.wait(20)
         self.proc = None
         if self.segment:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{self.segment}")
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> DaemonProcess:
         return self.start()

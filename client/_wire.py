@@ -1,0 +1,537 @@
+"""The gRPC wire of the store clients, shared by `StoreClient` and `AsyncStoreClient`.
+
+Everything here is free of I/O, so both clients stay thin and the unit tests can pin it:
+request checks (before any RPC), proto <-> `client.types` conversions, the one mapping from gRPC
+status codes to typed errors, channel options, the retry policy (idempotent calls only), the
+chunking of a put stream and the reassembly and verification of a get stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from client.errors import (
+    CapacityExhausted,
+    Corrupt,
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseExpired,
+    StrataError,
+    Unavailable,
+)
+from client.page import PageHeader
+from client.scope import KEY_BYTES, Scope
+from client.types import (
+    Event,
+    EventKind,
+    IoClass,
+    Limits,
+    LookupResult,
+    NodeInfo,
+    Page,
+    PutStatus,
+    Segment,
+    StoreStats,
+    Tier,
+    TierInfo,
+    TierStats,
+    WritableBuffer,
+)
+from kvstore_pb import API_VERSION
+from kvstore_pb import store_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 72 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_RETRY_AFTER_S = 0.5
+RETRY_AFTER_KEY = "retry-after-ms"
+# Room left in a message for everything but the chunk data (a page header is a few KiB at most).
+_CHUNK_OVERHEAD_BYTES = 64 << 10
+
+# Calls that may be repeated without changing the outcome. Put, Reserve and Commit are not.
+IDEMPOTENT_METHODS = frozenset(
+    {"NodeInfo", "Lookup", "Get", "Acquire", "Release", "Renew", "Delete", "Stats"}
+)
+
+
+def malformed(what: str) -> StrataError:
+    """The error for a reply that breaks the wire contract (a daemon bug, never retried)."""
+    return StrataError(f"malformed reply from the store: {what}")
+
+
+# ---- request checks: all of them run before any RPC --------------------------------------
+
+
+def packed_keys(keys: Sequence[bytes]) -> bytes:
+    """Keys packed for the wire; InvalidArgument unless each is `bytes` of KEY_BYTES."""
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise InvalidArgument(f"page keys are {KEY_BYTES}-byte bytes, got {key!r:.60}")
+    return b"".join(keys)
+
+
+def byte_view(buf: object, what: str, *, writable: bool) -> memoryview:
+    """A flat unsigned-byte view of a C-contiguous buffer; InvalidArgument if it is not one."""
+    try:
+        view = memoryview(buf)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{what} is not a buffer: {type(buf).__name__}") from None
+    if writable and view.readonly:
+        raise InvalidArgument(f"{what} is read-only")
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{what} is not C-contiguous")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def destination_views(
+    scope: Scope, keys: Sequence[bytes], into: Sequence[WritableBuffer]
+) -> list[memoryview]:
+    """Writable byte views of `into`, one per key, each big enough for a page of `scope`."""
+    if len(into) != len(keys):
+        raise InvalidArgument(f"{len(keys)} keys but {len(into)} destination buffers")
+    need = scope.page_payload_bytes
+    views: list[memoryview] = []
+    for i, buf in enumerate(into):
+        view = byte_view(buf, f"into[{i}]", writable=True)
+        if view.nbytes < need:
+            raise InvalidArgument(f"into[{i}] holds {view.nbytes} bytes; a page needs {need}")
+        views.append(view)
+    return views
+
+
+def payload_views(scope: Scope, pages: Sequence[Page]) -> list[memoryview]:
+    """Byte views of the payloads of `pages`, after checking each page belongs to `scope`."""
+    views: list[memoryview] = []
+    for i, page in enumerate(pages):
+        page.header.validate_for(scope)
+        view = byte_view(page.payload, f"pages[{i}].payload", writable=False)
+        if view.nbytes != page.header.payload_bytes:
+            raise InvalidArgument(
+                f"pages[{i}] payload is {view.nbytes} bytes; its header says "
+                f"{page.header.payload_bytes}"
+            )
+        views.append(view)
+    return views
+
+
+def batch_ranges(count: int, limit: int) -> list[range]:
+    """Split `count` items into calls of at most `limit` (0 = no limit)."""
+    step = limit if limit > 0 else max(count, 1)
+    return [range(start, min(start + step, count)) for start in range(0, count, step)]
+
+
+# ---- proto -> types ----------------------------------------------------------------------
+
+
+def io_class_value(io_class: IoClass) -> pb.IoClass.ValueType:
+    return pb.IoClass.ValueType(int(io_class))
+
+
+def tier_value(tier: Tier | None) -> pb.Tier.ValueType:
+    return pb.Tier.ValueType(0 if tier is None else int(tier))
+
+
+def tier_of(value: int) -> Tier:
+    """A tier a reply must name; malformed-reply error for 0 or an unknown value."""
+    try:
+        return Tier(value)
+    except ValueError:
+        raise malformed(f"unknown tier {value}") from None
+
+
+def optional_tier(value: int) -> Tier | None:
+    """A tier that may be unspecified (0 -> None)."""
+    return None if value == 0 else tier_of(value)
+
+
+def node_info_from_proto(msg: pb.NodeInfoResponse) -> NodeInfo:
+    lim = msg.limits
+    return NodeInfo(
+        node_id=msg.node_id,
+        host_id=msg.host_id,
+        api_version=msg.api_version,
+        server_version=msg.server_version,
+        tiers=tuple(
+            TierInfo(tier_of(t.tier), t.capacity_bytes, t.used_bytes, t.pages, t.device)
+            for t in msg.tiers
+        ),
+        limits=Limits(
+            max_keys_per_call=lim.max_keys_per_call,
+            max_page_bytes=lim.max_page_bytes,
+            max_message_bytes=lim.max_message_bytes,
+            chunk_bytes=lim.chunk_bytes,
+            lease_ttl_ms=lim.lease_ttl_ms,
+        ),
+        segments=tuple(Segment(tier_of(s.tier), s.name, s.size_bytes) for s in msg.segments),
+        local_address=msg.local_address,
+    )
+
+
+def lookup_from_proto(msg: pb.LookupResponse, asked: int) -> LookupResult:
+    if msg.hit_count > asked or len(msg.tiers) != msg.hit_count:
+        raise malformed(
+            f"lookup of {asked} keys answered {msg.hit_count} hits with {len(msg.tiers)} tiers"
+        )
+    return LookupResult(hit_count=msg.hit_count, tiers=tuple(tier_of(t) for t in msg.tiers))
+
+
+def put_statuses_from_proto(msg: pb.PutResponse, asked: int) -> tuple[PutStatus, ...]:
+    if len(msg.statuses) != asked:
+        raise malformed(f"put of {asked} pages answered {len(msg.statuses)} statuses")
+    try:
+        return tuple(PutStatus(s) for s in msg.statuses)
+    except ValueError:
+        raise malformed(f"unknown put status in {list(msg.statuses)}") from None
+
+
+def stats_from_proto(msg: pb.StatsResponse) -> StoreStats:
+    return StoreStats(
+        tiers=tuple(
+            TierStats(
+                tier=tier_of(t.tier),
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                pages=t.pages,
+                hits=t.hits,
+                misses=t.misses,
+                evictions=t.evictions,
+            )
+            for t in msg.tiers
+        ),
+        pages=msg.pages,
+        demotions=msg.demotions,
+        promotions=msg.promotions,
+        corrupt_dropped=msg.corrupt_dropped,
+        lease_expiries=msg.lease_expiries,
+        active_leases=msg.active_leases,
+        lookups=msg.lookups,
+        lookup_hit_pages=msg.lookup_hit_pages,
+    )
+
+
+def event_from_proto(msg: pb.Event) -> Event:
+    try:
+        kind = EventKind(msg.kind)
+    except ValueError:
+        raise malformed(f"unknown event kind {msg.kind}") from None
+    return Event(
+        seq=msg.seq,
+        kind=kind,
+        key=msg.key,
+        scope_digest=msg.scope_digest,
+        from_tier=optional_tier(msg.from_tier),
+        to_tier=optional_tier(msg.to_tier),
+        size_bytes=msg.size_bytes,
+    )
+
+
+# ---- gRPC status -> typed error ----------------------------------------------------------
+
+
+def retry_after_s(trailing: Iterable[tuple[str, str | bytes]] | None) -> float:
+    """The server's retry hint from trailing metadata, in seconds (default 0.5 s)."""
+    for key, value in trailing or ():
+        if key.lower() != RETRY_AFTER_KEY:
+            continue
+        text = value.decode() if isinstance(value, bytes) else value
+        try:
+            ms = float(text)
+        except ValueError:
+            break
+        if ms >= 0:
+            return ms / 1000.0
+        break
+    return DEFAULT_RETRY_AFTER_S
+
+
+def error_from_status(
+    code: grpc.StatusCode,
+    details: str,
+    trailing: Iterable[tuple[str, str | bytes]] | None = None,
+) -> StrataError:
+    """The typed error for a gRPC status (the SDK's one mapping, inverse of the service's)."""
+    name = getattr(code, "name", str(code))
+    message = f"{details or 'no details'} ({name})"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidArgument(message)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return CapacityExhausted(message, retry_after_s=retry_after_s(trailing))
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return LeaseExpired(message)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return Unavailable(message)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(message)
+    if code == grpc.StatusCode.DATA_LOSS:
+        return Corrupt(message)
+    return StrataError(message)
+
+
+def map_rpc_error(exc: BaseException) -> StrataError:
+    """The typed error for an exception raised by a grpc (sync or aio) call."""
+    if isinstance(exc, StrataError):
+        return exc
+    code_fn = getattr(exc, "code", None)
+    if not callable(code_fn):
+        return Unavailable(f"gRPC failure without a status: {exc!r}")
+    details_fn = getattr(exc, "details", None)
+    trailing_fn = getattr(exc, "trailing_metadata", None)
+    details = details_fn() if callable(details_fn) else ""
+    trailing = trailing_fn() if callable(trailing_fn) else None
+    return error_from_status(code_fn(), str(details or ""), _pairs(trailing))
+
+
+def _pairs(metadata: object) -> list[tuple[str, str | bytes]]:
+    pairs: list[tuple[str, str | bytes]] = []
+    if not isinstance(metadata, Iterable):
+        return pairs
+    for item in metadata:
+        key = getattr(item, "key", None)
+        value = getattr(item, "value", None)
+        if key is None and isinstance(item, tuple) and len(item) == 2:
+            key, value = item
+        if isinstance(key, str) and isinstance(value, str | bytes):
+            pairs.append((key, value))
+    return pairs
+
+
+# ---- channel options, deadlines and retries ----------------------------------------------
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options of every channel a client opens."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # The clients retry idempotent calls themselves; gRPC's own retries would multiply them.
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def chunk_bytes_for(limits: Limits, max_message_bytes: int) -> int:
+    """Payload bytes per PageChunk: the node's chunk size, kept inside one message."""
+    chunk = limits.chunk_bytes or DEFAULT_CHUNK_BYTES
+    cap = max_message_bytes - _CHUNK_OVERHEAD_BYTES
+    if limits.max_message_bytes:
+        cap = min(cap, limits.max_message_bytes - _CHUNK_OVERHEAD_BYTES)
+    return max(1, min(chunk, cap))
+
+
+class Deadline:
+    """The one deadline of a client call, shared by all its attempts."""
+
+    __slots__ = ("_end",)
+
+    def __init__(self, timeout_s: float) -> None:
+        self._end = time.monotonic() + timeout_s
+
+    def remaining_s(self) -> float:
+        return max(0.0, self._end - time.monotonic())
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Jittered exponential backoff for idempotent calls; a server's retry hint wins if longer."""
+
+    retries: int
+    base_delay_s: float = 0.05
+    max_delay_s: float = 1.0
+
+    def attempts_for(self, method: str) -> int:
+        return 1 + (self.retries if method in IDEMPOTENT_METHODS else 0)
+
+    def delay_s(self, attempt: int, error: StrataError, deadline: Deadline) -> float | None:
+        """Seconds to wait before retrying after failed attempt `attempt` (0-based), or None
+        to give up: the error is not retryable, or the wait would pass the deadline."""
+        if not error.retryable or isinstance(error, DeadlineExceeded):
+            return None
+        ceiling = min(self.max_delay_s, self.base_delay_s * (2**attempt))
+        delay = random.uniform(ceiling / 2, ceiling)
+        if isinstance(error, CapacityExhausted):
+            delay = max(delay, error.retry_after_s)
+        if delay >= deadline.remaining_s():
+            return None
+        return delay
+
+
+# ---- put stream --------------------------------------------------------------------------
+
+
+def put_requests(
+    scope: Scope,
+    pages: Sequence[Page],
+    payloads: Sequence[memoryview],
+    *,
+    io_class: IoClass,
+    tier: Tier | None,
+    chunk_bytes: int,
+) -> Iterator[pb.PutRequest]:
+    """The messages of one Put stream: a PutBegin, then each page's chunks in order.
+
+    The first chunk of page i carries its header; the chunks' data cover the payload exactly,
+    at increasing offsets, at most `chunk_bytes` each; an empty payload still sends one chunk.
+    A payload that is `bytes` and fits one chunk is sent without a copy; other slices are copied
+    once into the message (protobuf `bytes` fields accept no memoryview).
+    """
+    yield pb.PutRequest(
+        begin=pb.PutBegin(
+            scope=scope.encode(),
+            io_class=io_class_value(io_class),
+            page_count=len(pages),
+            tier=tier_value(tier),
+        )
+    )
+    for index, (page, view) in enumerate(zip(pages, payloads, strict=True)):
+        header = page.header.encode()
+        size = view.nbytes
+        if size == 0:
+            yield pb.PutRequest(chunk=pb.PageChunk(index=index, header=header, offset=0))
+            continue
+        whole = page.payload if isinstance(page.payload, bytes) else None
+        for offset in range(0, size, chunk_bytes):
+            end = min(offset + chunk_bytes, size)
+            if whole is not None and offset == 0 and end == size:
+                data = whole
+            else:
+                data = view[offset:end].tobytes()
+            yield pb.PutRequest(
+                chunk=pb.PageChunk(
+                    index=index, header=header if offset == 0 else b"", offset=offset, data=data
+                )
+            )
+
+
+# ---- get stream --------------------------------------------------------------------------
+
+_PENDING, _RECEIVING, _MISSING, _BAD = range(4)
+
+
+class GetAssembler:
+    """Reassembles one Get stream straight into the caller's buffers and verifies every page.
+
+    Feed it each GetResponse in order, then call `finish()`. A page whose header does not decode,
+    names another key or scope, does not fit its buffer, arrives out of order or incomplete, or
+    fails its checksum (when `verify`) is a miss, counted in `corrupt`; its buffer's contents are
+    then unspecified. A message naming a page index outside the call breaks the contract and
+    raises a malformed-reply StrataError.
+    """
+
+    def __init__(
+        self, scope: Scope, keys: Sequence[bytes], into: Sequence[memoryview], *, verify: bool
+    ) -> None:
+        self._scope_digest = scope.digest
+        self._keys = keys
+        self._into = into
+        self._verify = verify
+        count = len(keys)
+        self._state = [_PENDING] * count
+        self._headers: list[PageHeader | None] = [None] * count
+        self._received = [0] * count
+        self.corrupt = 0
+
+    def feed(self, msg: pb.GetResponse) -> None:
+        part = msg.WhichOneof("part")
+        if part == "missing":
+            index = self._index(msg.missing)
+            if self._state[index] == _PENDING:
+                self._state[index] = _MISSING
+            else:
+                self._drop(index, "reported missing after data")
+        elif part == "chunk":
+            self._chunk(msg.chunk)
+        else:
+            raise malformed("empty GetResponse")
+
+    def finish(self) -> tuple[PageHeader | None, ...]:
+        """The header of each delivered page, None for each miss."""
+        result: list[PageHeader | None] = []
+        for index, state in enumerate(self._state):
+            header = self._headers[index]
+            if state != _RECEIVING or header is None:
+                result.append(None)
+                continue
+            if self._received[index] != header.payload_bytes:
+                self._drop(index, f"incomplete: {self._received[index]} of {header.payload_bytes}")
+                result.append(None)
+                continue
+            if self._verify:
+                try:
+                    header.verify_payload(self._into[index][: header.payload_bytes])
+                except Corrupt as exc:
+                    self._drop(index, str(exc))
+                    result.append(None)
+                    continue
+            result.append(header)
+        return tuple(result)
+
+    def _index(self, index: int) -> int:
+        if index >= len(self._keys):
+            raise malformed(f"page index {index} in a get of {len(self._keys)} keys")
+        return index
+
+    def _drop(self, index: int, why: str) -> None:
+        if self._state[index] != _BAD:
+            self.corrupt += 1
+            self._state[index] = _BAD
+        log.debug("get: page %d dropped: %s", index, why)
+
+    def _chunk(self, chunk: pb.PageChunk) -> None:
+        index = self._index(chunk.index)
+        state = self._state[index]
+        if state == _BAD:
+            return
+        if state == _MISSING:
+            self._drop(index, "data after a missing report")
+            return
+        if state == _PENDING:
+            if not self._start(index, chunk.header):
+                return
+        elif chunk.header:
+            self._drop(index, "a second header")
+            return
+        header = self._headers[index]
+        assert header is not None
+        data = chunk.data
+        start = self._received[index]
+        end = start + len(data)
+        if chunk.offset != start or end > header.payload_bytes:
+            self._drop(index, f"chunk at {chunk.offset}+{len(data)}, expected offset {start}")
+            return
+        self._into[index][start:end] = data
+        self._received[index] = end
+
+    def _start(self, index: int, raw: bytes) -> bool:
+        try:
+            header = PageHeader.decode(raw)
+        except Corrupt as exc:
+            self._drop(index, f"header: {exc}")
+            return False
+        if header.key != self._keys[index] or header.scope_digest != self._scope_digest:
+            self._drop(index, "header names another key or scope")
+            return False
+        if header.payload_bytes > self._into[index].nbytes:
+            self._drop(index, f"payload of {header.payload_bytes} bytes does not fit its buffer")
+            return False
+        self._headers[index] = header
+        self._state[index] = _RECEIVING
+        return True
+
+
+def check_node(node: NodeInfo) -> None:
+    """Refuse a daemon that speaks another wire version than this client."""
+    if node.api_version != API_VERSION:
+        raise Unavailable(
+            f"store {node.node_id!r} speaks API version {node.api_version}; this client speaks "
+            f"{API_VERSION}"
+        )

@@ -1,0 +1,559 @@
+"""`StoreClient`: the blocking client of one store daemon (DESIGN §6).
+
+It picks its data path when it connects: the same-host path (the daemon's shared-memory segment
+mapped here; only control messages over gRPC, on the daemon's unix socket when it has one) when
+the daemon runs on this host, else chunked gRPC streams. Both give the same results.
+
+Every call has a deadline (`timeout_s`, shared by all attempts of the call); only idempotent calls
+are retried (NodeInfo, Lookup, Get, Acquire, Release, Delete, Stats), with jittered backoff. A miss
+is a result; a page that fails verification is a miss too, counted in `corrupt_pages`. Errors are
+the typed ones of `client.errors`.
+
+Thread-safe: one client may serve many threads. gevent (locust): in a monkey-patched process call
+`client.gevent_support.init()` (which runs `grpc.experimental.gevent.init_gevent()` once) after
+patching and before creating any client; gRPC then cooperates with the gevent hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeVar
+
+import grpc
+
+from client._wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Deadline,
+    GetAssembler,
+    RetryPolicy,
+    batch_ranges,
+    channel_options,
+    check_node,
+    chunk_bytes_for,
+    destination_views,
+    event_from_proto,
+    io_class_value,
+    lookup_from_proto,
+    malformed,
+    map_rpc_error,
+    node_info_from_proto,
+    packed_keys,
+    payload_views,
+    put_requests,
+    put_statuses_from_proto,
+    stats_from_proto,
+)
+from client.errors import InvalidArgument, StrataError, Unavailable
+from client.page import PageHeader
+from client.scope import KEY_BYTES, Scope
+from client.shm import (
+    SegmentMap,
+    map_node_segments,
+    read_acquired,
+    segments_current,
+    write_reserved,
+)
+from client.types import (
+    Event,
+    GetResult,
+    IoClass,
+    LookupResult,
+    NodeInfo,
+    Page,
+    PutResult,
+    PutStatus,
+    StoreStats,
+    Tier,
+    WritableBuffer,
+)
+from kvstore_pb import store_pb2 as pb
+from kvstore_pb.store_pb2_grpc import StoreStub
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+Transport = Literal["shm", "grpc"]
+_LOCAL_PROBE_S = 2.0
+
+
+class _EventStream(Protocol):
+    def __iter__(self) -> Iterator[pb.Event]: ...
+    def cancel(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Connection:
+    channel: grpc.Channel
+    stub: StoreStub
+    node: NodeInfo
+    maps: tuple[SegmentMap, ...]
+
+    @property
+    def transport(self) -> Transport:
+        return "shm" if self.maps else "grpc"
+
+    def close(self) -> None:
+        self.channel.close()
+        for m in self.maps:
+            m.close()
+
+
+class StoreClient:
+    """Blocking client of one store daemon at `address` ("host:port" or "unix:/path").
+
+    `shared_memory`: True forces the same-host path (Unavailable if impossible), False forbids
+    it, None picks it when the daemon is on this host and its segments map. Connects lazily on
+    the first call, or explicitly with `connect()`; `close()` (or leaving a `with` block) ends it.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        shared_memory: bool | None = None,
+        timeout_s: float = 10.0,
+        retries: int = 2,
+        io_class: IoClass = IoClass.NORMAL,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
+            raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
+        self.address = address
+        self._shared_memory = shared_memory
+        self._timeout_s = timeout_s
+        self._policy = RetryPolicy(retries)
+        self._io_class = IoClass(io_class)
+        self._max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._conn: _Connection | None = None
+        self._closed = False
+        self._releases: list[grpc.Future[pb.ReleaseResponse]] = []
+        self._counter_lock = threading.Lock()
+        self.corrupt_pages = 0
+        """Pages dropped by verification since the client was made (each also a miss)."""
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def connect(self) -> NodeInfo:
+        """Connect (if not yet connected) and choose the data path; returns the node's info.
+
+        Raises Unavailable when the daemon cannot be reached, speaks another API version, or
+        shared memory was forced but cannot be used.
+        """
+        with self._lock:
+            if self._closed:
+                raise Unavailable("the client is closed")
+            if self._conn is None:
+                self._conn = self._open()
+            return self._conn.node
+
+    @property
+    def transport(self) -> Transport:
+        """The data path chosen at connect: "shm" or "grpc". StrataError before connecting."""
+        conn = self._conn
+        if conn is None:
+            raise StrataError("not connected yet: call connect() first")
+        return conn.transport
+
+    def close(self) -> None:
+        """Send outstanding lease releases (briefly), close the channel and unmap. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conn, self._conn = self._conn, None
+        with self._counter_lock:
+            pending, self._releases = self._releases, []
+        deadline = Deadline(min(self._timeout_s, _LOCAL_PROBE_S))
+        for fut in pending:
+            with contextlib.suppress(Exception):
+                fut.result(timeout=deadline.remaining_s())
+        if conn is not None:
+            conn.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- calls -----------------------------------------------------------------------------
+
+    def node_info(self) -> NodeInfo:
+        """Fresh identity, capacities and limits of the node. Read-only; retried."""
+        conn = self._ready()
+        reply = self._call(conn.stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
+        return node_info_from_proto(reply)
+
+    def lookup(self, scope: Scope, keys: Sequence[bytes]) -> LookupResult:
+        """Longest present prefix of the key chain `keys`, with the tier of each hit.
+
+        Read-only; retried. InvalidArgument for a malformed key (before any RPC).
+        """
+        packed = packed_keys(keys)
+        if not keys:
+            return LookupResult(hit_count=0, tiers=())
+        conn = self._ready()
+        hits = 0
+        tiers: list[Tier] = []
+        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
+            request = pb.LookupRequest(
+                scope_digest=scope.digest, keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES]
+            )
+            reply = self._call(conn.stub, "Lookup", request, pb.LookupResponse)
+            part = lookup_from_proto(reply, len(r))
+            hits += part.hit_count
+            tiers.extend(part.tiers)
+            if part.hit_count < len(r):
+                break
+        return LookupResult(hit_count=hits, tiers=tuple(tiers))
+
+    def put(
+        self,
+        scope: Scope,
+        pages: Sequence[Page],
+        *,
+        io_class: IoClass | None = None,
+        tier: Tier | None = None,
+    ) -> PutResult:
+        """Publish `pages` (full pages of `scope`); one status per page. Mutates; never retried.
+
+        `tier` None places pages where the node chooses; on the same-host path pages go into the
+        DRAM segment, so a put asking for another tier takes the gRPC path. InvalidArgument (before
+        any RPC) for a page of another scope or layout, or a payload of the wrong size;
+        CapacityExhausted when the store is full (see `retry_after_s`).
+        """
+        views = payload_views(scope, pages)
+        if not pages:
+            return PutResult(statuses=())
+        conn = self._ready()
+        io = self._io(io_class)
+        same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
+        statuses: list[PutStatus] = []
+        for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
+            part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]
+            if same_host:
+                statuses.extend(self._put_shm(conn, scope, part_pages, part_views, io))
+            else:
+                statuses.extend(self._put_grpc(conn, scope, part_pages, part_views, io, tier))
+        return PutResult(statuses=tuple(statuses))
+
+    def get(
+        self,
+        scope: Scope,
+        keys: Sequence[bytes],
+        into: Sequence[WritableBuffer],
+        *,
+        io_class: IoClass | None = None,
+        verify: bool | None = None,
+    ) -> GetResult:
+        """Copy each present page's payload into `into[i]`; headers of the pages delivered.
+
+        Read-only (leases are taken and released within the call); retried. `verify` None checks
+        payload checksums on the gRPC path only (the daemon verifies what it reads from SSD).
+        InvalidArgument (before any RPC) unless `into` has one writable, C-contiguous buffer of at
+        least a page per key. A miss leaves its buffer's contents unspecified.
+        """
+        packed = packed_keys(keys)
+        views = destination_views(scope, keys, into)
+        if not keys:
+            return GetResult(headers=())
+        conn = self._ready()
+        io = self._io(io_class)
+        check = verify if verify is not None else not conn.maps
+        headers: list[PageHeader | None] = []
+        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
+            part = (
+                conn,
+                scope,
+                keys[r.start : r.stop],
+                packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
+                views[r.start : r.stop],
+                io,
+                check,
+            )
+            if conn.maps:
+                headers.extend(self._get_shm(*part))
+            else:
+                headers.extend(self._get_grpc(*part))
+        return GetResult(headers=tuple(headers))
+
+    def delete(self, scope: Scope | None = None, keys: Sequence[bytes] | None = None) -> int:
+        """Delete the pages `keys`, or every page of `scope` (exactly one of the two); returns
+        how many were deleted. Mutates; retried (deleting twice deletes nothing more)."""
+        if (scope is None) == (keys is None):
+            raise InvalidArgument("delete takes exactly one of scope or keys")
+        if scope is not None:
+            conn = self._ready()
+            request = pb.DeleteRequest(scope_digest=scope.digest)
+            return self._call(conn.stub, "Delete", request, pb.DeleteResponse).deleted
+        assert keys is not None
+        packed = packed_keys(keys)
+        if not keys:
+            return 0
+        conn = self._ready()
+        deleted = 0
+        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
+            request = pb.DeleteRequest(keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES])
+            deleted += self._call(conn.stub, "Delete", request, pb.DeleteResponse).deleted
+        return deleted
+
+    def stats(self) -> StoreStats:
+        """Daemon-wide counters. Read-only; retried."""
+        conn = self._ready()
+        return stats_from_proto(self._call(conn.stub, "Stats", pb.StatsRequest(), pb.StatsResponse))
+
+    def watch(
+        self, scope: Scope | None = None, *, timeout_s: float | None = None
+    ) -> Iterator[Event]:
+        """Events of `scope` (every scope when None) as they happen, until the iterator is
+        closed, the client is closed, or `timeout_s` passes (None: no deadline, the one call
+        without one). Never retried: a gap shows as a jump in `Event.seq`."""
+        conn = self._ready()
+        request = pb.WatchRequest(scope_digest=scope.digest if scope is not None else b"")
+        return self._events(conn.stub.Watch(request, timeout=timeout_s))
+
+    # ---- data paths ------------------------------------------------------------------------
+
+    def _put_grpc(
+        self,
+        conn: _Connection,
+        scope: Scope,
+        pages: Sequence[Page],
+        views: Sequence[memoryview],
+        io: IoClass,
+        tier: Tier | None,
+    ) -> tuple[PutStatus, ...]:
+        chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
+
+        def attempt(timeout: float) -> pb.PutResponse:
+            requests = put_requests(scope, pages, views, io_class=io, tier=tier, chunk_bytes=chunk)
+            reply = conn.stub.Put(requests, timeout=timeout)
+            if not isinstance(reply, pb.PutResponse):
+                raise malformed(f"Put answered {type(reply).__name__}")
+            return reply
+
+        return put_statuses_from_proto(self._retry("Put", attempt), len(pages))
+
+    def _put_shm(
+        self,
+        conn: _Connection,
+        scope: Scope,
+        pages: Sequence[Page],
+        views: Sequence[memoryview],
+        io: IoClass,
+    ) -> tuple[PutStatus, ...]:
+        request = pb.ReserveRequest(
+            scope=scope.encode(),
+            headers=[p.header.encode() for p in pages],
+            io_class=io_class_value(io),
+        )
+        reply = self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
+        self._check_segments(conn, reply.lease_id)
+        try:
+            statuses = write_reserved(reply, conn.maps, views)
+            if reply.lease_id:
+                commit = pb.CommitRequest(lease_id=reply.lease_id)
+                self._call(conn.stub, "Commit", commit, pb.CommitResponse)
+        except BaseException:
+            if reply.lease_id:
+                self._release_later(conn, reply.lease_id)
+            raise
+        return statuses
+
+    def _get_grpc(
+        self,
+        conn: _Connection,
+        scope: Scope,
+        keys: Sequence[bytes],
+        packed: bytes,
+        views: Sequence[memoryview],
+        io: IoClass,
+        verify: bool,
+    ) -> tuple[PageHeader | None, ...]:
+        request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
+
+        def attempt(timeout: float) -> GetAssembler:
+            assembler = GetAssembler(scope, keys, views, verify=verify)
+            call = conn.stub.Get(request, timeout=timeout)
+            try:
+                for msg in call:
+                    assembler.feed(msg)
+            except BaseException:
+                call.cancel()
+                raise
+            return assembler
+
+        assembler = self._retry("Get", attempt)
+        headers = assembler.finish()
+        self._count_corrupt(assembler.corrupt)
+        return headers
+
+    def _get_shm(
+        self,
+        conn: _Connection,
+        scope: Scope,
+        keys: Sequence[bytes],
+        packed: bytes,
+        views: Sequence[memoryview],
+        io: IoClass,
+        verify: bool,
+    ) -> tuple[PageHeader | None, ...]:
+        request = pb.AcquireRequest(
+            scope_digest=scope.digest, keys=packed, io_class=io_class_value(io)
+        )
+        reply = self._call(conn.stub, "Acquire", request, pb.AcquireResponse)
+        self._check_segments(conn, reply.lease_id)
+        try:
+            headers, corrupt = read_acquired(
+                reply, conn.maps, scope.digest, keys, views, verify=verify
+            )
+        finally:
+            if reply.lease_id:
+                self._release_later(conn, reply.lease_id)
+        self._count_corrupt(corrupt)
+        return headers
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _ready(self) -> _Connection:
+        conn = self._conn
+        if conn is not None:
+            return conn
+        self.connect()
+        conn = self._conn
+        if conn is None:  # closed concurrently
+            raise Unavailable("the client is closed")
+        return conn
+
+    def _open(self) -> _Connection:
+        channel = grpc.insecure_channel(
+            self.address, options=channel_options(self._max_message_bytes)
+        )
+        try:
+            stub = StoreStub(channel)
+            node = node_info_from_proto(
+                self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
+            )
+            check_node(node)
+            maps = map_node_segments(node, self._shared_memory)
+        except BaseException:
+            channel.close()
+            raise
+        if maps and node.local_address:
+            local = self._open_local(node)
+            if local is not None:
+                channel.close()
+                channel, stub = local
+        conn = _Connection(channel=channel, stub=stub, node=node, maps=maps)
+        log.info(
+            "connected to store %s (%s) at %s: %s data path",
+            node.node_id,
+            node.server_version,
+            self.address,
+            conn.transport,
+        )
+        return conn
+
+    def _open_local(self, node: NodeInfo) -> tuple[grpc.Channel, StoreStub] | None:
+        """A control channel on the daemon's unix socket, if it answers as the same node."""
+        channel = grpc.insecure_channel(
+            node.local_address, options=channel_options(self._max_message_bytes)
+        )
+        stub = StoreStub(channel)
+        try:
+            reply = stub.NodeInfo(
+                pb.NodeInfoRequest(), timeout=min(self._timeout_s, _LOCAL_PROBE_S)
+            )
+            if reply.node_id != node.node_id:
+                raise Unavailable(f"{node.local_address} is node {reply.node_id!r}")
+        except (grpc.RpcError, StrataError) as exc:
+            log.info(
+                "control traffic stays on %s: %s unusable (%s)",
+                self.address,
+                node.local_address,
+                exc,
+            )
+            channel.close()
+            return None
+        return channel, stub
+
+    def _check_segments(self, conn: _Connection, lease_id: int) -> None:
+        """Unless the daemon's segments are still the ones mapped here (it restarted): release
+        `lease_id`, drop the connection so the next call connects afresh, raise Unavailable."""
+        if segments_current(conn.maps):
+            return
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        if lease_id:
+            with contextlib.suppress(Exception):
+                release = pb.ReleaseRequest(lease_id=lease_id)
+                conn.stub.Release(release, timeout=min(self._timeout_s, _LOCAL_PROBE_S))
+        conn.close()
+        raise Unavailable("the store's shared-memory segment changed (daemon restarted?)")
+
+    def _call(self, stub: StoreStub, method: str, request: object, reply_type: type[R]) -> R:
+        function = getattr(stub, method)
+
+        def attempt(timeout: float) -> R:
+            reply = function(request, timeout=timeout)
+            if not isinstance(reply, reply_type):
+                raise malformed(f"{method} answered {type(reply).__name__}")
+            return reply
+
+        return self._retry(method, attempt)
+
+    def _retry(self, method: str, attempt: Callable[[float], R]) -> R:
+        deadline = Deadline(self._timeout_s)
+        attempts = self._policy.attempts_for(method)
+        for n in range(attempts):
+            try:
+                return attempt(max(deadline.remaining_s(), 0.001))
+            except grpc.RpcError as exc:
+                error, cause = map_rpc_error(exc), exc
+            except StrataError as exc:
+                error, cause = exc, None
+            delay = self._policy.delay_s(n, error, deadline) if n + 1 < attempts else None
+            if delay is None:
+                raise error from cause
+            log.debug("%s failed (%s); retrying in %.3f s", method, error, delay)
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _release_later(self, conn: _Connection, lease_id: int) -> None:
+        """Send Release without waiting for the reply; reaped later or at close."""
+        try:
+            fut = conn.stub.Release.future(
+                pb.ReleaseRequest(lease_id=lease_id), timeout=self._timeout_s
+            )
+        except Exception as exc:  # e.g. the channel was closed under us; the lease runs out
+            log.debug("release of lease %d not sent: %s", lease_id, exc)
+            return
+        with self._counter_lock:
+            self._releases = [f for f in self._releases if not f.done()]
+            self._releases.append(fut)
+
+    def _count_corrupt(self, count: int) -> None:
+        if count:
+            with self._counter_lock:
+                self.corrupt_pages += count
+
+    def _io(self, io_class: IoClass | None) -> IoClass:
+        return IoClass(io_class) if io_class is not None else self._io_class
+
+    def _events(self, call: _EventStream) -> Iterator[Event]:
+        try:
+            for msg in call:
+                yield event_from_proto(msg)
+        except grpc.RpcError as exc:
+            if self._closed:
+                return
+            raise map_rpc_error(exc) from exc
+        finally:
+            call.cancel()

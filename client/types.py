@@ -1,0 +1,230 @@
+"""Result and value types of the store clients (DESIGN §6).
+
+Every call of `StoreClient` / `AsyncStoreClient` returns one of these frozen, slotted dataclasses,
+never a protobuf message, so callers need neither grpc nor kvstore_pb. The enums carry the same
+integer values as their counterparts in proto/kvstore_pb/store.proto; `0` (unspecified) has no
+member here — the client sends it for "none" and rejects it in replies where a value is required.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from client.errors import InvalidArgument
+from client.page import Buffer, PageHeader, make_header
+from client.scope import Scope, chain_key
+
+WritableBuffer = bytearray | memoryview
+"""A buffer a get may copy a payload into. Any writable, C-contiguous buffer works at run time
+(wrap numpy arrays or CPU tensors in `memoryview(...)`)."""
+
+
+class Tier(IntEnum):
+    """Where a page lives. Same values as `strata.store.v1.Tier`."""
+
+    GPU = 1
+    DRAM = 2
+    SSD = 3
+
+
+class IoClass(IntEnum):
+    """Priority of a call; the daemon serves them in this order. Same values as the proto."""
+
+    CRITICAL = 1  # a decode waiting to start
+    NORMAL = 2  # prefill pulls
+    BACKGROUND = 3  # publishing, prefetch, demotion
+
+
+class PutStatus(IntEnum):
+    """Outcome of one page of a put. Same values as `strata.store.v1.PutStatus`."""
+
+    STORED = 1
+    ALREADY_PRESENT = 2
+
+
+class EventKind(IntEnum):
+    """What happened to a page. Same values as `strata.store.v1.EventKind`."""
+
+    STORED = 1
+    REMOVED = 2
+    MOVED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class TierInfo:
+    """One tier of a node, as NodeInfo reports it."""
+
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    pages: int
+    device: str  # the gpu tier's torch device string; "" otherwise
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-call limits the node enforces. A zero means "no limit announced"."""
+
+    max_keys_per_call: int
+    max_page_bytes: int
+    max_message_bytes: int
+    chunk_bytes: int
+    lease_ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A shared-memory segment of a node: a file `/dev/shm/<name>` of `size_bytes`."""
+
+    tier: Tier
+    name: str
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """Identity, capacities and limits of one store daemon."""
+
+    node_id: str
+    host_id: str
+    api_version: int
+    server_version: str
+    tiers: tuple[TierInfo, ...]
+    limits: Limits
+    segments: tuple[Segment, ...]
+    local_address: str  # "unix:/path" for same-host control traffic, or ""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """`hit_count` = length of the longest present prefix; `tiers[i]` = fastest tier of hit i."""
+
+    hit_count: int
+    tiers: tuple[Tier, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page to publish: its header and its payload (any contiguous buffer of
+    `header.payload_bytes` bytes; it is read, never kept, by `put`)."""
+
+    header: PageHeader
+    payload: Buffer
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """One status per page of the put, in order."""
+
+    statuses: tuple[PutStatus, ...]
+
+    @property
+    def stored(self) -> int:
+        """Pages this call stored."""
+        return sum(1 for s in self.statuses if s is PutStatus.STORED)
+
+    @property
+    def already_present(self) -> int:
+        """Pages the store already held (nothing was written for them)."""
+        return sum(1 for s in self.statuses if s is PutStatus.ALREADY_PRESENT)
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """One entry per requested key: the verified header of a page now in the caller's buffer,
+    or None for a miss (absent, or dropped by verification)."""
+
+    headers: tuple[PageHeader | None, ...]
+
+    @property
+    def hit_count(self) -> int:
+        """Number of pages delivered."""
+        return sum(1 for h in self.headers if h is not None)
+
+    @property
+    def prefix_hits(self) -> int:
+        """Length of the leading run of delivered pages: what a prefill can use."""
+        n = 0
+        for h in self.headers:
+            if h is None:
+                break
+            n += 1
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Counters of one tier since the daemon started."""
+
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    pages: int
+    hits: int
+    misses: int
+    evictions: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Daemon-wide counters (mirrors `StatsResponse`)."""
+
+    tiers: tuple[TierStats, ...]
+    pages: int
+    demotions: int
+    promotions: int
+    corrupt_dropped: int
+    lease_expiries: int
+    active_leases: int
+    lookups: int
+    lookup_hit_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A change to one page. `from_tier` is set for MOVED/REMOVED, `to_tier` for STORED/MOVED."""
+
+    seq: int
+    kind: EventKind
+    key: bytes
+    scope_digest: bytes
+    from_tier: Tier | None
+    to_tier: Tier | None
+    size_bytes: int
+
+
+def build_pages(
+    scope: Scope,
+    token_ids: Sequence[int],
+    payloads: Sequence[Buffer],
+    *,
+    first_page: int = 0,
+) -> list[Page]:
+    """Pages `first_page .. first_page + len(payloads) - 1` of `token_ids` under `scope`.
+
+    Keys are chained from the scope digest through every earlier full page, so a prefill that
+    publishes only its newly computed pages passes `first_page` = the number of cached ones.
+    Pure; raises InvalidArgument when the payloads need more full pages than `token_ids` has, or
+    a payload does not fit the scope's layout (see `make_header`).
+    """
+    page = scope.layout.page_tokens
+    full = len(token_ids) // page
+    if first_page < 0 or first_page + len(payloads) > full:
+        raise InvalidArgument(
+            f"pages {first_page}..{first_page + len(payloads) - 1} requested, but "
+            f"{len(token_ids)} tokens hold only {full} full pages of {page}"
+        )
+    parent = scope.digest
+    pages: list[Page] = []
+    for i in range(first_page + len(payloads)):
+        tokens = token_ids[i * page : (i + 1) * page]
+        if i < first_page:
+            parent = chain_key(parent, tokens)
+            continue
+        payload = payloads[i - first_page]
+        header = make_header(scope, parent, tokens, payload)
+        pages.append(Page(header=header, payload=payload))
+        parent = header.key
+    return pages

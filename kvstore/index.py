@@ -1,0 +1,442 @@
+"""The page index: where each page lives, who pins it, and in what order it should leave a tier.
+
+An entry records its residency as fields, one per tier (DESIGN §5): a GPU slab offset, a DRAM
+segment offset, an SSD flag. A page is never nowhere: clearing its last tier is refused, the
+caller removes it instead. Leased (pinned) pages never move or go.
+
+Eviction is prefix-aware. For each tier the index keeps, for every entry, how many of its children
+(entries whose `parent` is its key) are resident in that tier. An entry with none is a *leaf* of
+the tier. Unpinned entries of a tier sit in one of three recency lists, in this eviction order:
+
+1. probation leaves (hit fewer than twice), least recently used first;
+2. protected leaves (hit twice or more), least recently used first;
+3. inner entries (a child is resident in the tier), least recently used first — so a tier full
+   of chains can still be emptied.
+
+"Used in the tier" means: arrived in the tier (insert or `set_residency`), was hit (`touch`), or
+had its last lease released (`unpin`); each of these puts the entry at the most-recent end. An
+entry that changes list without being used (it became a leaf because its last child left the
+tier, or stopped being one because a child arrived) keeps its stamp when that still orders it
+first or last in its new list, and is otherwise placed first: the common case is a chain shrinking
+from its tail, whose parent is the next page worth dropping.
+
+Not thread-safe: the store calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import KEY_BYTES, Tier
+
+__all__ = ["PROTECTED_HITS", "Index", "PageEntry"]
+
+PROTECTED_HITS = 2  # hits at which a leaf moves from probation to protected
+
+_TIERS = (Tier.GPU, Tier.DRAM, Tier.SSD)
+_PROBATION, _PROTECTED, _INNER = 0, 1, 2
+_SEGMENT_NAMES = ("probation", "protected", "inner")
+
+
+@dataclass(slots=True)
+class PageEntry:
+    """One page's index record. `header` is the encoded page header, returned to readers as is.
+
+    The entry returned by `Index.get` is the live record: read it, but change it only through
+    `Index` methods (`check_integrity` catches direct edits of residency, hits or leases).
+    """
+
+    key: bytes
+    parent: bytes
+    scope_digest: bytes
+    header: bytes
+    payload_bytes: int
+    gpu: int | None = None
+    dram: int | None = None
+    ssd: bool = False
+    leases: int = 0
+    hits: int = 0
+    last_access: int = 0
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """Tiers holding the page, fastest first."""
+        return tuple(t for t in _TIERS if _resident(self, t))
+
+    @property
+    def fastest(self) -> Tier | None:
+        """The fastest tier holding the page (None only for an entry not yet inserted)."""
+        return next((t for t in _TIERS if _resident(self, t)), None)
+
+
+def _resident(entry: PageEntry, tier: Tier) -> bool:
+    if tier is Tier.GPU:
+        return entry.gpu is not None
+    if tier is Tier.DRAM:
+        return entry.dram is not None
+    return entry.ssd
+
+
+class Index:
+    """Pages by key, with per-tier residency counts and per-tier eviction order."""
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, PageEntry] = {}
+        self._children: dict[bytes, set[bytes]] = {}  # parent key -> present children's keys
+        self._kids_in: dict[bytes, list[int]] = {}  # key -> children resident per tier
+        self._scopes: dict[bytes, dict[bytes, None]] = {}
+        self._pages = dict.fromkeys(_TIERS, 0)
+        self._bytes = dict.fromkeys(_TIERS, 0)
+        # tier -> (probation, protected, inner); values are the entry's stamp in that tier.
+        self._order: dict[Tier, tuple[OrderedDict[bytes, int], ...]] = {
+            t: (OrderedDict(), OrderedDict(), OrderedDict()) for t in _TIERS
+        }
+        self._tick = 0
+        self._version = 0  # bumped on every change of an order list; iterators restart on it
+
+    # ---- reads (none of these mutate) -------------------------------------------------------
+
+    def get(self, key: bytes) -> PageEntry | None:
+        """The live entry for `key`, or None."""
+        return self._entries.get(key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[bytes]:
+        """Every key in the index (a snapshot). Read-only."""
+        return list(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def pages_in(self, tier: Tier) -> int:
+        """Number of pages resident in `tier`."""
+        return self._pages[tier]
+
+    def bytes_in(self, tier: Tier) -> int:
+        """Payload bytes of the pages resident in `tier` (headers not counted)."""
+        return self._bytes[tier]
+
+    def children_in(self, key: bytes, tier: Tier) -> int:
+        """How many children of `key` are resident in `tier`; raises InvalidArgument if absent."""
+        return self._kids_in[self._entry(key).key][tier - 1]
+
+    def keys_of_scope(self, scope_digest: bytes) -> list[bytes]:
+        """Keys of the pages of one scope, in insertion order."""
+        return list(self._scopes.get(scope_digest, ()))
+
+    def lookup_prefix(self, scope_digest: bytes, keys: Sequence[bytes]) -> list[PageEntry]:
+        """Entries of the longest present prefix of `keys`: stops at the first key that is absent
+        or belongs to another scope. Does not count as a hit (the caller `touch`es what it uses)."""
+        found: list[PageEntry] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.scope_digest != scope_digest:
+                break
+            found.append(entry)
+        return found
+
+    def eviction_candidates(self, tier: Tier) -> Iterator[PageEntry]:
+        """Unpinned entries resident in `tier`, in the order they should leave it (module doc).
+
+        Lazy: each step reads the live lists, so the caller may demote or remove the entry just
+        yielded (or change anything else) before asking for the next; each entry is yielded at most
+        once per iterator. O(1) per step when the caller moves each yielded entry out of the tier
+        or changes nothing; entries it leaves in place are skipped again after each change.
+        """
+        segments = self._order[tier]
+        yielded: set[bytes] = set()
+        version = -1
+        seg = 0
+        cursor: Iterator[bytes] = iter(())
+        while True:
+            if version != self._version:  # something changed: rescan from the head
+                version, seg, cursor = self._version, 0, iter(segments[0])
+            key = next(cursor, None)
+            if key is None:
+                seg += 1
+                if seg == len(segments):
+                    return
+                cursor = iter(segments[seg])
+                continue
+            if key not in yielded:
+                yielded.add(key)
+                yield self._entries[key]
+
+    # ---- mutations --------------------------------------------------------------------------
+
+    def insert(self, entry: PageEntry) -> None:
+        """Add a page (mutates: stamps `entry.last_access` with a new tick; the index keeps the
+        object, and `hits`/`leases` count as given — an entry may arrive pinned). Raises
+        InvalidArgument if the key is present, the entry is resident nowhere, or a field is
+        malformed (keys and digests are 16 bytes, counts non-negative)."""
+        _validate(entry)
+        key = entry.key
+        if key in self._entries:
+            raise InvalidArgument(f"page {key.hex()} is already in the index")
+        self._tick += 1
+        entry.last_access = self._tick
+        self._entries[key] = entry
+        self._scopes.setdefault(entry.scope_digest, {})[key] = None
+        self._children.setdefault(entry.parent, set()).add(key)
+        kids = [0, 0, 0]
+        for child in self._children.get(key, ()):
+            for t in self._entries[child].tiers:
+                kids[t - 1] += 1
+        self._kids_in[key] = kids
+        for t in entry.tiers:
+            self._arrive(entry, t)
+
+    def remove(self, key: bytes) -> PageEntry:
+        """Drop a page and return its entry. Its children stay valid entries (a later page with
+        this key becomes their parent again). Raises InvalidArgument if absent or leased."""
+        entry = self._entry(key)
+        if entry.leases:
+            raise InvalidArgument(f"page {key.hex()} is leased ({entry.leases}) and cannot go")
+        for t in entry.tiers:
+            self._leave(entry, t)
+        del self._entries[key], self._kids_in[key]
+        scope = self._scopes[entry.scope_digest]
+        del scope[key]
+        if not scope:
+            del self._scopes[entry.scope_digest]
+        siblings = self._children[entry.parent]
+        siblings.discard(key)
+        if not siblings:
+            del self._children[entry.parent]
+        return entry
+
+    def set_residency(self, key: bytes, tier: Tier, location: int | bool | None) -> None:
+        """Record where a page lives in `tier`: an offset (GPU, DRAM) or True (SSD) sets it; None
+        or False clears it. Mutates the entry; arriving in a tier counts as a use there (most-recent
+        end), leaving takes it out of the tier's order, a new offset in the same tier (relocation)
+        changes no order.
+
+        Raises InvalidArgument if the page is absent, the location does not fit the tier, clearing
+        would leave the page nowhere (remove it instead), or the page is leased and the change
+        would clear or relocate an existing copy (leased pages never move; adding a copy is fine).
+        """
+        entry = self._entry(key)
+        clear = location is None or location is False
+        offset: int | None = None
+        if not clear:
+            if tier is Tier.SSD:
+                if location is not True:
+                    raise InvalidArgument(f"ssd residency is True/False/None, not {location!r}")
+            elif isinstance(location, bool) or not isinstance(location, int) or location < 0:
+                raise InvalidArgument(f"{tier.name.lower()} residency needs an offset >= 0")
+            else:
+                offset = location
+        was = _resident(entry, tier)
+        if clear and not was:
+            return
+        if not clear and was and (tier is Tier.SSD or offset == _location(entry, tier)):
+            return
+        if entry.leases and was:
+            raise InvalidArgument(f"page {key.hex()} is leased: its {tier.name.lower()} copy stays")
+        if clear and entry.tiers == (tier,):
+            raise InvalidArgument(f"clearing {tier.name.lower()} would leave {key.hex()} nowhere")
+        if clear:
+            self._leave(entry, tier)
+        if tier is Tier.GPU:
+            entry.gpu = offset
+        elif tier is Tier.DRAM:
+            entry.dram = offset
+        else:
+            entry.ssd = not clear
+        if not was:
+            self._arrive(entry, tier)
+
+    def touch(self, key: bytes) -> None:
+        """Count a hit: bump `hits`, stamp `last_access` with a new tick, and move the page to the
+        most-recent end in every tier holding it. Raises InvalidArgument if absent."""
+        entry = self._entry(key)
+        entry.hits += 1
+        self._tick += 1
+        entry.last_access = self._tick
+        for t in entry.tiers:
+            self._refile(entry, t, fresh=True)
+
+    def pin(self, key: bytes) -> None:
+        """Take one lease on a page: while pinned it is never yielded, moved or removed.
+        Raises InvalidArgument if absent."""
+        entry = self._entry(key)
+        entry.leases += 1
+        if entry.leases == 1:
+            for t in entry.tiers:
+                self._refile(entry, t, fresh=False)
+
+    def unpin(self, key: bytes) -> None:
+        """Release one lease; the last release counts as a use (most-recent end of its lists).
+        Raises InvalidArgument if absent or not pinned."""
+        entry = self._entry(key)
+        if entry.leases <= 0:
+            raise InvalidArgument(f"page {key.hex()} is not pinned")
+        entry.leases -= 1
+        if entry.leases == 0:
+            self._tick += 1
+            for t in entry.tiers:
+                self._refile(entry, t, fresh=True)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _entry(self, key: bytes) -> PageEntry:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise InvalidArgument(f"page {key.hex()} is not in the index")
+        return entry
+
+    def _segment(self, entry: PageEntry, tier: Tier) -> int | None:
+        """The list `entry` belongs in for `tier`, or None (pinned or not resident)."""
+        if entry.leases or not _resident(entry, tier):
+            return None
+        if self._kids_in[entry.key][tier - 1]:
+            return _INNER
+        return _PROTECTED if entry.hits >= PROTECTED_HITS else _PROBATION
+
+    def _refile(self, entry: PageEntry, tier: Tier, fresh: bool) -> None:
+        """Put `entry` in the list its state calls for; `fresh` = it was just used (new stamp)."""
+        segments = self._order[tier]
+        key = entry.key
+        current = next((i for i, s in enumerate(segments) if key in s), None)
+        want = self._segment(entry, tier)
+        if current == want and not fresh:
+            return
+        self._version += 1
+        stamp = self._tick
+        if current is not None:
+            old = segments[current].pop(key)
+            stamp = self._tick if fresh else old
+        if want is None:
+            return
+        target = segments[want]
+        if fresh or not target or stamp >= next(reversed(target.values())):
+            target[key] = stamp
+            return
+        first = next(iter(target.values()))
+        target[key] = stamp if stamp <= first else first - 1
+        target.move_to_end(key, last=False)
+
+    def _arrive(self, entry: PageEntry, tier: Tier) -> None:
+        """`entry` (already in `_entries`) became resident in `tier`: counts, parent, lists."""
+        self._pages[tier] += 1
+        self._bytes[tier] += entry.payload_bytes
+        self._tick += 1
+        self._refile(entry, tier, fresh=True)
+        parent = self._entries.get(entry.parent)
+        if parent is not None:
+            kids = self._kids_in[parent.key]
+            kids[tier - 1] += 1
+            if kids[tier - 1] == 1:
+                self._refile(parent, tier, fresh=False)
+
+    def _leave(self, entry: PageEntry, tier: Tier) -> None:
+        """`entry` is about to stop being resident in `tier`: counts, parent, lists."""
+        self._pages[tier] -= 1
+        self._bytes[tier] -= entry.payload_bytes
+        for segment in self._order[tier]:
+            if segment.pop(entry.key, None) is not None:
+                self._version += 1
+        parent = self._entries.get(entry.parent)
+        if parent is not None:
+            kids = self._kids_in[parent.key]
+            kids[tier - 1] -= 1
+            if kids[tier - 1] == 0:
+                self._refile(parent, tier, fresh=False)
+
+    def check_integrity(self) -> None:
+        """Recompute every derived structure from the entries and compare: child links and
+        counts, per-tier page and byte counts, the scope index, and the order lists (membership,
+        list, stamp order). Does not mutate; raises RuntimeError naming the first mismatch."""
+
+        def fail(message: str) -> NoReturn:
+            raise RuntimeError(f"index integrity: {message}")
+
+        children: dict[bytes, set[bytes]] = {}
+        scopes: dict[bytes, set[bytes]] = {}
+        pages = dict.fromkeys(_TIERS, 0)
+        nbytes = dict.fromkeys(_TIERS, 0)
+        for key, entry in self._entries.items():
+            if entry.key != key:
+                fail(f"entry filed under {key.hex()} has key {entry.key.hex()}")
+            try:
+                _validate(entry)
+            except InvalidArgument as exc:
+                fail(f"entry {key.hex()}: {exc}")
+            if entry.last_access > self._tick:
+                fail(f"entry {key.hex()} last_access {entry.last_access} > tick {self._tick}")
+            children.setdefault(entry.parent, set()).add(key)
+            scopes.setdefault(entry.scope_digest, set()).add(key)
+            for t in entry.tiers:
+                pages[t] += 1
+                nbytes[t] += entry.payload_bytes
+        if children != self._children:
+            fail("parent -> children links differ from the entries' parent fields")
+        if scopes != {d: set(keys) for d, keys in self._scopes.items()}:
+            fail("scope index differs from the entries' scope digests")
+        if pages != self._pages or nbytes != self._bytes:
+            fail(f"tier counts {self._pages}/{self._bytes}, recomputed {pages}/{nbytes}")
+        if self._kids_in.keys() != self._entries.keys():
+            fail("child counts are kept for a different set of keys than the entries")
+        for key in self._entries:
+            kids = [0, 0, 0]
+            for child in children.get(key, ()):
+                for t in self._entries[child].tiers:
+                    kids[t - 1] += 1
+            if kids != self._kids_in[key]:
+                fail(f"children of {key.hex()} per tier: kept {self._kids_in[key]}, real {kids}")
+        for t in _TIERS:
+            listed: set[bytes] = set()
+            for i, segment in enumerate(self._order[t]):
+                where = f"{t.name.lower()} {_SEGMENT_NAMES[i]}"
+                stamps = list(segment.values())
+                if any(a > b for a, b in itertools.pairwise(stamps)):
+                    fail(f"{where} list is not in stamp order: {stamps}")
+                if stamps and stamps[-1] > self._tick:
+                    fail(f"{where} list has a stamp past the tick {self._tick}")
+                for key in segment:
+                    held = self._entries.get(key)
+                    if key in listed or held is None or self._segment(held, t) != i:
+                        fail(f"{where} list wrongly holds {key.hex()}")
+                    listed.add(key)
+            due = {k for k, e in self._entries.items() if self._segment(e, t) is not None}
+            if listed != due:
+                fail(f"{t.name.lower()} lists miss {len(due - listed)} unpinned resident pages")
+
+
+def _location(entry: PageEntry, tier: Tier) -> int | bool | None:
+    if tier is Tier.GPU:
+        return entry.gpu
+    if tier is Tier.DRAM:
+        return entry.dram
+    return entry.ssd
+
+
+def _validate(entry: PageEntry) -> None:
+    """Raise InvalidArgument unless `entry` is well-formed and resident somewhere."""
+    for name in ("key", "parent", "scope_digest"):
+        value = getattr(entry, name)
+        if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+            raise InvalidArgument(f"PageEntry.{name} must be {KEY_BYTES} bytes")
+    if entry.key == entry.parent:
+        raise InvalidArgument(f"page {entry.key.hex()} is its own parent")
+    for name in ("payload_bytes", "leases", "hits"):
+        value = getattr(entry, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgument(f"PageEntry.{name} must be an int >= 0, not {value!r}")
+    for name in ("gpu", "dram"):
+        value = getattr(entry, name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise InvalidArgument(f"PageEntry.{name} must be None or an offset >= 0")
+    if not isinstance(entry.ssd, bool):
+        raise InvalidArgument("PageEntry.ssd must be a bool")
+    if not entry.tiers:
+        raise InvalidArgument(f"page {entry.key.hex()} is resident in no tier")

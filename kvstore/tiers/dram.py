@@ -1,0 +1,228 @@
+"""The DRAM tier: one POSIX shared-memory segment, carved into slots by a buddy allocator.
+
+The segment is the file `/dev/shm/<segment_name>`, created by the daemon with mode 0600 and
+mapped shared. Same-host clients map the same file themselves and copy pages straight into
+reserved slots or out of leased slots (DESIGN §6), so an offset handed out here is what the
+client is told. `multiprocessing.shared_memory` is deliberately not used: its resource tracker
+unlinks segments behind the owner's back.
+
+Views and their lifetime: `view()` returns a slice of one memoryview of the whole map; nothing is
+copied. A view stays valid (it keeps the mapping alive) until it is released, even after
+`close()`. Callers should release views when done (`with tier.view(o, n) as v: ...`, or
+`v.release()`); `close()` never raises BufferError because of views still alive: it unlinks the
+file at once and the unmapping then happens when the last view is released or collected.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from pathlib import Path
+
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.tiers.buddy import BuddyAllocator
+
+__all__ = ["SHM_DIR", "DramTier", "segment_path"]
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+
+
+def segment_path(segment_name: str) -> Path:
+    """The file that backs segment `segment_name`; raises InvalidArgument for a malformed name."""
+    if not segment_name or "/" in segment_name or segment_name in (".", ".."):
+        raise InvalidArgument(f"bad shared-memory segment name {segment_name!r}")
+    return SHM_DIR / segment_name
+
+
+class DramTier:
+    """A shared-memory slab of `capacity_bytes` with buddy-allocated slots.
+
+    Creating it creates (or replaces a stale) `/dev/shm/<segment_name>` and maps it; raises
+    Unavailable if the segment cannot be created or mapped, InvalidArgument for a bad name or
+    capacity. `allocate`/`free` are thread-safe; `view` is lock-free.
+    """
+
+    def __init__(self, capacity_bytes: int, segment_name: str, min_block_bytes: int = 4096) -> None:
+        self._alloc = BuddyAllocator(capacity_bytes, min_block_bytes)
+        self._lock = threading.Lock()
+        self._name = segment_name
+        self._path = segment_path(segment_name)
+        size = self._alloc.capacity_bytes
+        fd = self._create_file()
+        try:
+            os.ftruncate(fd, size)
+            self._map: mmap.mmap | None = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except OSError as exc:
+            os.close(fd)
+            self._path.unlink(missing_ok=True)
+            raise Unavailable(
+                f"cannot size or map shared-memory segment {self._path}: {exc}"
+            ) from exc
+        self._inode = os.fstat(fd).st_ino
+        os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
+        self._whole: memoryview | None = memoryview(self._map)
+        self._unlinked = False
+        log.info("dram tier: segment %s, %d bytes", self._path, size)
+
+    def _create_file(self) -> int:
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+        try:
+            return os.open(self._path, flags, 0o600)
+        except FileExistsError:
+            log.warning(
+                "dram tier: replacing stale shared-memory segment %s (left by a crashed daemon?)",
+                self._path,
+            )
+            self._path.unlink(missing_ok=True)
+        try:
+            return os.open(self._path, flags, 0o600)
+        except OSError as exc:
+            raise Unavailable(f"cannot create shared-memory segment {self._path}: {exc}") from exc
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def segment_name(self) -> str:
+        return self._name
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def size_bytes(self) -> int:
+        """Size of the segment file: what a client maps."""
+        return self._alloc.capacity_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes the allocator manages (equal to `size_bytes`)."""
+        return self._alloc.capacity_bytes
+
+    @property
+    def allocated_blocks(self) -> int:
+        """Number of blocks currently allocated (resident pages plus reservations)."""
+        return self._alloc.allocated_blocks
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes in allocated slots (slot sizes, i.e. requests rounded up to powers of two)."""
+        return self._alloc.used_bytes
+
+    @property
+    def closed(self) -> bool:
+        return self._whole is None
+
+    def slot_bytes_for(self, nbytes: int) -> int:
+        """Slot size a request of `nbytes` takes; raises InvalidArgument like `allocate`. Pure."""
+        return self._alloc.block_size_for(nbytes)
+
+    def largest_free_slot(self) -> int:
+        """The largest request `allocate` could satisfy right now (0 when full)."""
+        with self._lock:
+            return self._alloc.largest_free_block()
+
+    def slot_bytes(self, offset: int) -> int:
+        """Size of the allocated slot at `offset`; raises InvalidArgument if there is none."""
+        with self._lock:
+            return self._alloc.block_bytes(offset)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the slot map is sound (see BuddyAllocator.check_integrity)."""
+        with self._lock:
+            self._alloc.check_integrity()
+
+    # ---- slots ---------------------------------------------------------------------------------
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Reserve a slot of at least `nbytes`; mutates. Returns its offset, or None when full.
+
+        Raises InvalidArgument for `nbytes <= 0` or larger than the largest slot; Unavailable
+        after `close()`. The slot's previous contents are not cleared.
+        """
+        self._check_open()
+        with self._lock:
+            return self._alloc.allocate(nbytes)
+
+    def free(self, offset: int) -> int:
+        """Release the slot at `offset`; mutates. Returns the slot size.
+
+        Raises InvalidArgument for an offset that is not an allocated slot (or a double free).
+        Views of the slot stay mapped, but the bytes may be reused by the next `allocate`.
+        """
+        with self._lock:
+            return self._alloc.free(offset)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A writable, zero-copy view of `nbytes` at `offset` of the segment. Pure.
+
+        Raises InvalidArgument if the range is not inside the segment, Unavailable after
+        `close()`. The range need not be one slot (the store checks slot bounds). Release the
+        view when done; see the module docstring for lifetime rules.
+        """
+        whole = self._whole
+        if whole is None:
+            raise Unavailable(f"dram tier {self._name} is closed")
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(whole):
+            raise InvalidArgument(
+                f"range [{offset}, {offset + nbytes}) is outside the {len(whole)}-byte segment"
+            )
+        return whole[offset : offset + nbytes]
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def close(self, unlink: bool = True) -> None:
+        """Release this tier's mapping and (by default) unlink the segment file; idempotent.
+
+        Never raises BufferError: if views handed out by `view()` are still alive, the memory
+        stays mapped until the last of them is released, and a warning is logged.
+        With `unlink=False` the file stays in /dev/shm (for a hand-over or post-mortem).
+        """
+        if self._whole is None and (self._unlinked or not unlink):
+            return
+        whole, self._whole = self._whole, None
+        mapping, self._map = self._map, None
+        if whole is not None:
+            whole.release()
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                log.warning(
+                    "dram tier: views of segment %s are still alive; it is unmapped when they are "
+                    "released",
+                    self._path,
+                )
+        if unlink and not self._unlinked:
+            self._unlinked = True
+            try:
+                # Only unlink our own file, not a segment another daemon created under this name.
+                if os.stat(self._path).st_ino == self._inode:
+                    self._path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("dram tier: cannot unlink segment %s: %s", self._path, exc)
+        log.info("dram tier: segment %s closed", self._path)
+
+    def __enter__(self) -> DramTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._whole is None:
+            raise Unavailable(f"dram tier {self._name} is closed")
+
+    def __repr__(self) -> str:
+        return (
+            f"DramTier(segment={self._name!r}, capacity_bytes={self.capacity_bytes}, "
+            f"used_bytes={self.used_bytes})"
+        )

@@ -1,0 +1,224 @@
+"""The SSD tier's RocksDB layout: column families, opening, header iteration and salvage.
+
+Two column families share the 16-byte page key: the headers family holds each page's encoded
+PageHeader (small, so a restart scan reads only these) and `payloads` holds the raw payload, with
+blob files on (values of `min_blob_bytes` or more go to uncompressed blob files, so large values
+never pass through compaction). Nothing is compressed: KV payloads do not compress, and headers
+are mostly digests.
+
+Salvage: a damaged block in an SST file of the headers would make every later compaction of that
+file fail, and RocksDB then refuses all writes. So the scan copies every header that passes its
+own checks into a fresh headers family (`headers.<generation>`), switches to it with one synced
+write of a pointer in the default family, and drops the damaged one. A crash at any point leaves
+either the old or the new family current; `open_rocks` drops the other.
+
+rocksdict notes: everything is opened in raw mode (bytes in, bytes out, no pickling) and values
+must be `bytes`. Column-family objects, handles and iterators each keep RocksDB open: a DB is only
+closed (and its LOCK released) once all of them are gone. `items()` iterators stop silently on a
+RocksDB error, so iteration here uses `iter()` and checks `status()`. RocksDB errors arrive as
+plain `Exception`s.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from rocksdict import (
+    ColumnFamily,
+    DbClosedError,
+    DBCompressionType,
+    DBRecoveryMode,
+    Options,
+    Rdict,
+    ReadOptions,
+    WriteBatch,
+    WriteOptions,
+)
+
+from kvstore.errors import Corrupt, Unavailable
+
+__all__ = [
+    "HEADERS_CF",
+    "PAYLOADS_CF",
+    "RocksHandles",
+    "has_headers",
+    "iterate_headers",
+    "open_rocks",
+    "rocks_error",
+    "salvage_headers",
+]
+
+log = logging.getLogger(__name__)
+
+HEADERS_CF = "headers"
+PAYLOADS_CF = "payloads"
+# In the default column family: the name of the current headers family.
+_CURRENT_HEADERS_KEY = b"strata/current-headers-cf"
+_SALVAGE_BATCH = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RocksHandles:
+    """Everything that keeps one RocksDB instance open; drop all of it before `db.close()`."""
+
+    db: Rdict
+    headers_name: str
+    headers: Rdict
+    payloads: Rdict
+    headers_cf: ColumnFamily
+    payloads_cf: ColumnFamily
+
+
+def rocks_error(what: str, exc: Exception, *, reading: bool = False) -> Corrupt | Unavailable:
+    """Map a rocksdict exception: corruption met by a read -> Corrupt, anything else -> Unavailable."""
+    if isinstance(exc, DbClosedError):
+        return Unavailable(f"ssd tier is closed ({what})")
+    message = str(exc)
+    if reading and ("Corruption" in message or "checksum mismatch" in message.lower()):
+        return Corrupt(f"ssd tier {what}: {message}")
+    return Unavailable(f"ssd tier {what} failed: {message}")
+
+
+def _is_headers(name: str) -> bool:
+    return name == HEADERS_CF or name.startswith(HEADERS_CF + ".")
+
+
+def _header_options() -> Options:
+    opts = Options(raw_mode=True)
+    opts.set_compression_type(DBCompressionType.none())
+    return opts
+
+
+def _payload_options(min_blob_bytes: int) -> Options:
+    opts = Options(raw_mode=True)
+    opts.set_compression_type(DBCompressionType.none())
+    opts.set_enable_blob_files(True)
+    opts.set_min_blob_size(min_blob_bytes)
+    opts.set_blob_compression_type(DBCompressionType.none())
+    opts.set_enable_blob_gc(True)
+    return opts
+
+
+def open_rocks(path: Path, min_blob_bytes: int) -> RocksHandles:
+    """Open (or create) the database at `path`; drops a headers family left by a broken salvage.
+
+    Raises Unavailable when RocksDB cannot open it (e.g. another process holds its LOCK).
+    """
+    db_opts = Options(raw_mode=True)
+    db_opts.create_if_missing(True)
+    db_opts.create_missing_column_families(True)
+    db_opts.set_wal_recovery_mode(DBRecoveryMode.point_in_time())
+    db_opts.set_keep_log_file_num(4)
+    try:
+        # RocksDB must open every existing column family, a leftover headers.N included.
+        names = Rdict.list_cf(str(path)) if (path / "CURRENT").exists() else []
+        families = {name: _header_options() for name in names if _is_headers(name)}
+        if not families:
+            families[HEADERS_CF] = _header_options()
+        families[PAYLOADS_CF] = _payload_options(min_blob_bytes)
+        db = Rdict(str(path), db_opts, column_families=families)
+    except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+        raise Unavailable(f"cannot open ssd tier at {path}: {exc}") from exc
+    try:
+        pointer = db.get(_CURRENT_HEADERS_KEY)
+        current = pointer.decode() if isinstance(pointer, bytes) else HEADERS_CF
+        if current not in families:
+            db.create_column_family(current, _header_options())
+        for name in families:
+            if _is_headers(name) and name != current:
+                log.warning("ssd tier: dropping %s, left by an interrupted salvage", name)
+                db.drop_column_family(name)
+        return RocksHandles(
+            db=db,
+            headers_name=current,
+            headers=db.get_column_family(current),
+            payloads=db.get_column_family(PAYLOADS_CF),
+            headers_cf=db.get_column_family_handle(current),
+            payloads_cf=db.get_column_family_handle(PAYLOADS_CF),
+        )
+    except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+        db.close()
+        raise Unavailable(f"cannot open ssd tier at {path}: {exc}") from exc
+
+
+def has_headers(h: RocksHandles) -> bool:
+    """Whether the headers family holds any entry (True when RocksDB cannot tell). Pure."""
+    it = h.headers.iter(ReadOptions())
+    try:
+        it.seek_to_first()
+        return bool(it.valid())
+    except Exception:  # rocksdict reports RocksDB errors as plain Exception
+        return True
+    finally:
+        del it
+
+
+def iterate_headers(h: RocksHandles, verify: bool) -> tuple[list[tuple[bytes, bytes]], str | None]:
+    """Every (key, header bytes) of the headers family in key order, and the error that ended it.
+
+    `verify` turns RocksDB's block checksums on. Blocks read are not cached. Pure.
+    """
+    opts = ReadOptions()
+    opts.set_verify_checksums(verify)
+    opts.fill_cache(False)  # type: ignore[call-arg]  # the stub omits the argument
+    entries: list[tuple[bytes, bytes]] = []
+    it = h.headers.iter(opts)
+    try:
+        it.seek_to_first()
+        while it.valid():
+            entries.append((bytes(it.key()), bytes(it.value())))
+            it.next()
+        it.status()
+    except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+        return entries, str(exc)
+    finally:
+        del it
+    return entries, None
+
+
+def salvage_headers(
+    h: RocksHandles,
+    keep: list[tuple[bytes, bytes]],
+    bad: list[bytes],
+    write_opts: WriteOptions,
+) -> RocksHandles:
+    """Move to a fresh headers family holding only `keep`; tombstone the payloads of `bad`.
+
+    Mutates the database; returns the handles to use from now on (the old family is dropped).
+    Raises Unavailable if RocksDB fails before the switch, which then has not happened.
+    """
+    _, _, suffix = h.headers_name.partition(".")
+    new_name = f"{HEADERS_CF}.{int(suffix) + 1 if suffix.isdigit() else 1}"
+    synced = WriteOptions()
+    synced.sync = True
+    try:
+        if bad:  # their headers go with the old family; their payloads go first
+            batch = WriteBatch(raw_mode=True)
+            for key in bad:
+                batch.delete(key, h.payloads_cf)
+            h.db.write(batch, write_opts)
+        new_headers = h.db.create_column_family(new_name, _header_options())
+        new_cf = h.db.get_column_family_handle(new_name)
+        for start in range(0, len(keep), _SALVAGE_BATCH):
+            batch = WriteBatch(raw_mode=True)
+            for key, value in keep[start : start + _SALVAGE_BATCH]:
+                batch.put(key, value, new_cf)
+            h.db.write(batch, write_opts)
+        h.db.put(_CURRENT_HEADERS_KEY, new_name.encode(), synced)  # the switch
+    except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+        raise rocks_error("salvage", exc) from exc
+    try:
+        h.db.drop_column_family(h.headers_name)
+    except Exception as exc:  # it is dropped at the next open instead
+        log.warning("ssd tier: cannot drop damaged %s yet: %s", h.headers_name, exc)
+    log.warning("ssd tier: salvaged %d headers into %s", len(keep), new_name)
+    return RocksHandles(
+        db=h.db,
+        headers_name=new_name,
+        headers=new_headers,
+        payloads=h.payloads,
+        headers_cf=new_cf,
+        payloads_cf=h.payloads_cf,
+    )

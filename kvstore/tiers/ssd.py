@@ -1,0 +1,349 @@
+"""The SSD tier: pages in RocksDB (through rocksdict), surviving restarts and crashes.
+
+A page's header and payload go to two column families under the same key (layout and rocksdict
+notes in kvstore/tiers/rocks.py), written and deleted in one WriteBatch with the WAL on: once
+`write` returns, the page survives a `kill -9` of the process (and, with `sync_writes`, a power
+loss). After a crash RocksDB replays the WAL up to its last intact record (point-in-time
+recovery), so at most the writes still in flight are lost.
+
+Nothing corrupt is served: `read` verifies the header checksum, that the header's key is the key
+asked for, and the payload's length and xxh3-64, on top of RocksDB's own block and blob
+checksums. `scan` rebuilds the tier's accounting from the headers alone after a restart, drops
+bad entries, and salvages the headers family when RocksDB reports damage in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
+
+from client.page import PageHeader
+from kvstore.errors import CapacityExhausted, Corrupt, InvalidArgument, Unavailable
+from kvstore.keys import KEY_BYTES
+from kvstore.tiers.rocks import (
+    RocksHandles,
+    has_headers,
+    iterate_headers,
+    open_rocks,
+    rocks_error,
+    salvage_headers,
+)
+
+__all__ = ["ScanResult", "SsdTier"]
+
+log = logging.getLogger(__name__)
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    """What a restart scan found: the valid pages' headers and how many bad entries it dropped.
+
+    `complete` is False when RocksDB could not iterate past a damaged region of the headers;
+    pages beyond it are neither returned nor counted (they stay on disk, unaccounted).
+    """
+
+    headers: list[PageHeader] = field(default_factory=list)
+    dropped: int = 0
+    complete: bool = True
+
+
+def _check_key(key: bytes) -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InvalidArgument(f"page keys are {KEY_BYTES} bytes")
+
+
+class SsdTier:
+    """Pages on local SSD under a logical byte budget (sum of `PageHeader.total_bytes`).
+
+    Opening creates the folder and database if needed; raises Unavailable if RocksDB cannot open
+    it (e.g. another process holds its LOCK). A database that already holds pages must be
+    `scan()`ned before `write`, `delete` or `contains` (they raise Unavailable until then): the
+    scan rebuilds the accounting. `read` works at any time. Thread-safe: writes, deletes and the
+    scan serialize on one lock; reads take no lock, so they are never blocked by writes.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        capacity_bytes: int,
+        *,
+        sync_writes: bool = False,
+        min_blob_bytes: int = 4096,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise InvalidArgument(f"ssd capacity must be positive, got {capacity_bytes}")
+        self._path = Path(path)
+        self._capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[bytes, int] = {}
+        self._used = 0
+        try:
+            self._path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise Unavailable(f"cannot create ssd tier folder {self._path}: {exc}") from exc
+        self._handles: RocksHandles | None = open_rocks(self._path, min_blob_bytes)
+        self._write_opts = WriteOptions()
+        self._write_opts.sync = sync_writes
+        self._read_opts = ReadOptions()
+        self._read_opts.set_verify_checksums(True)
+        # A fresh (empty) database needs no scan; one with pages does, before it is written.
+        self._scanned = not has_headers(self._handles)
+        log.info(
+            "ssd tier: %s, capacity %d bytes, sync_writes=%s%s",
+            self._path,
+            capacity_bytes,
+            sync_writes,
+            "" if self._scanned else " (existing pages: scan pending)",
+        )
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        """Sum of `total_bytes` (header + payload) of the pages held; RocksDB overhead not counted."""
+        return self._used
+
+    @property
+    def pages(self) -> int:
+        return len(self._sizes)
+
+    def contains(self, key: bytes) -> bool:
+        """Whether a page is held under `key` (from memory, no I/O). Pure."""
+        _check_key(key)
+        self._require_scanned()
+        return key in self._sizes
+
+    def read(self, key: bytes) -> tuple[PageHeader, bytes] | None:
+        """The verified header and payload of page `key`, or None when absent. Pure.
+
+        Raises Corrupt when the stored header or payload fails verification, the payload is
+        missing, or RocksDB reports corruption: the page must not be used, and the caller drops
+        it (`delete`) and counts it. Raises Unavailable on other RocksDB errors or after close.
+        """
+        _check_key(key)
+        h = self._require_open()
+        if self._scanned and key not in self._sizes:
+            return None
+        raw_header = self._get(h.headers, key, "header read")
+        if raw_header is None:
+            return None
+        header = PageHeader.decode(raw_header)
+        if header.key != key:
+            raise Corrupt("stored page header names another key")
+        payload = self._get(h.payloads, key, "payload read")
+        if payload is None:
+            if self._get(h.headers, key, "header read") is None:
+                return None  # deleted between the two reads
+            raise Corrupt("page payload is missing")
+        header.verify_payload(payload)
+        return header, payload
+
+    # ---- mutations -----------------------------------------------------------------------------
+
+    def write(self, header: PageHeader, payload: Buffer) -> int:
+        """Store a page durably (WAL) under `header.key`; mutates. Returns `header.total_bytes`.
+
+        Idempotent: a key already present is not rewritten (and needs no room). Raises
+        CapacityExhausted when the page does not fit in the remaining budget (the caller evicts
+        first; nothing changes), InvalidArgument when the payload length disagrees with the
+        header (or is not contiguous), Unavailable when RocksDB fails or before the pending scan.
+        The payload checksum is not recomputed here: `read` verifies it.
+        """
+        _check_key(header.key)
+        view = memoryview(payload)
+        if not view.c_contiguous:
+            raise InvalidArgument("page payload must be a C-contiguous buffer")
+        if view.nbytes != header.payload_bytes:
+            raise InvalidArgument(
+                f"payload is {view.nbytes} bytes, its header says {header.payload_bytes}"
+            )
+        data = payload if isinstance(payload, bytes) else bytes(view.cast("B"))
+        total = header.total_bytes
+        encoded = header.encode()
+        with self._lock:
+            h = self._require_open()
+            self._require_scanned()
+            if header.key in self._sizes:
+                return total
+            if self._used + total > self._capacity:
+                raise CapacityExhausted(
+                    f"ssd tier full: {self._used} of {self._capacity} bytes used, "
+                    f"page needs {total}"
+                )
+            batch = WriteBatch(raw_mode=True)
+            batch.put(header.key, encoded, h.headers_cf)
+            batch.put(header.key, data, h.payloads_cf)
+            try:
+                h.db.write(batch, self._write_opts)
+            except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+                raise rocks_error("write", exc) from exc
+            self._sizes[header.key] = total
+            self._used += total
+        return total
+
+    def delete(self, key: bytes) -> int:
+        """Remove page `key` (header and payload, atomically); mutates. Returns bytes freed.
+
+        Returns 0 when the page is absent. Raises Unavailable on RocksDB errors or before the
+        pending scan. Works on a corrupt page too (it only writes tombstones).
+        """
+        _check_key(key)
+        with self._lock:
+            h = self._require_open()
+            self._require_scanned()
+            size = self._sizes.get(key)
+            if size is None:
+                return 0
+            self._delete_keys(h, [key])
+            del self._sizes[key]
+            self._used -= size
+        return size
+
+    def scan(self) -> ScanResult:
+        """Rebuild the accounting from the stored headers and return the valid ones; mutates.
+
+        Reads the headers column family only, never a payload. An entry whose header fails to
+        decode or verify, whose header names another key, or whose payload is definitely absent
+        (RocksDB `key_may_exist`, no I/O) is deleted and counted in `dropped`. A payload that is
+        damaged, or missing in a way `key_may_exist` cannot tell, is caught later by `read`.
+        When RocksDB reports damage in the headers' files, the valid headers are salvaged into a
+        fresh column family (kvstore/tiers/rocks.py), so the neighbours of a bad entry survive
+        and later compactions do not fail. Raises Unavailable after close or when RocksDB fails.
+        """
+        with self._lock:
+            h = self._require_open()
+            entries, damaged, complete = self._read_headers(h)
+            headers: list[PageHeader] = []
+            sizes: dict[bytes, int] = {}
+            keep: list[tuple[bytes, bytes]] = []
+            bad: list[bytes] = []
+            for key, value in entries:
+                try:
+                    header = PageHeader.decode(value)
+                    if header.key != key:
+                        raise Corrupt("header names another key")
+                    if not h.payloads.key_may_exist(key):
+                        raise Corrupt("payload is missing")
+                except Corrupt as exc:
+                    log.debug("ssd tier: dropping page %s: %s", key.hex(), exc)
+                    bad.append(key)
+                    continue
+                headers.append(header)
+                sizes[key] = header.total_bytes
+                keep.append((key, value))
+            if damaged:
+                self._handles = salvage_headers(h, keep, bad, self._write_opts)
+            elif bad:
+                self._delete_keys(h, bad)
+            self._sizes = sizes
+            self._used = sum(sizes.values())
+            self._scanned = True
+        if bad:
+            log.warning("ssd tier: dropped %d corrupt pages from %s", len(bad), self._path)
+        log.info("ssd tier: %d pages, %d bytes after scan", len(headers), self._used)
+        return ScanResult(headers=headers, dropped=len(bad), complete=complete)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Flush memtables to SST/blob files and sync the WAL; raises Unavailable on failure."""
+        h = self._require_open()
+        try:
+            h.headers.flush()
+            h.payloads.flush()
+            h.db.flush_wal(True)
+        except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+            raise rocks_error("flush", exc) from exc
+
+    def close(self) -> None:
+        """Flush and close the database, releasing its LOCK; idempotent. Later calls raise Unavailable."""
+        with self._lock:
+            h, self._handles = self._handles, None
+        if h is None:
+            return
+        try:
+            h.headers.flush()
+            h.payloads.flush()
+        except Exception as exc:  # a failed flush loses nothing: the WAL still holds the writes
+            log.warning("ssd tier: flush at close failed: %s", exc)
+        db = h.db
+        del h  # column-family objects and handles keep RocksDB open: drop them before closing
+        try:
+            db.close()
+        except Exception as exc:
+            log.warning("ssd tier: close failed: %s", exc)
+        log.info("ssd tier: %s closed", self._path)
+
+    def __enter__(self) -> SsdTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _require_open(self) -> RocksHandles:
+        h = self._handles
+        if h is None:
+            raise Unavailable(f"ssd tier at {self._path} is closed")
+        return h
+
+    def _require_scanned(self) -> None:
+        if not self._scanned:
+            raise Unavailable(
+                f"ssd tier at {self._path} holds pages from a previous run: scan() first"
+            )
+
+    def _get(self, cf: Rdict, key: bytes, what: str) -> bytes | None:
+        try:
+            value = cf.get(key, None, self._read_opts)
+        except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+            raise rocks_error(what, exc, reading=True) from exc
+        assert value is None or isinstance(value, bytes)
+        return value
+
+    def _delete_keys(self, h: RocksHandles, keys: list[bytes]) -> None:
+        batch = WriteBatch(raw_mode=True)
+        for key in keys:
+            batch.delete(key, h.headers_cf)
+            batch.delete(key, h.payloads_cf)
+        try:
+            h.db.write(batch, self._write_opts)
+        except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+            raise rocks_error("delete", exc) from exc
+
+    def _read_headers(self, h: RocksHandles) -> tuple[list[tuple[bytes, bytes]], bool, bool]:
+        """(entries, damaged, complete): RocksDB-verified if possible, else raw.
+
+        A clean pass checks RocksDB's block checksums and is the only pass. After an error, a
+        second pass without them reads every entry it can, and our own header checks judge each
+        one. `complete` is False when even that pass could not reach the end.
+        """
+        entries, error = iterate_headers(h, verify=True)
+        if error is None:
+            return entries, False, True
+        log.error("ssd tier: damaged headers in %s: %s", self._path, error)
+        entries, error = iterate_headers(h, verify=False)
+        if error is not None:
+            log.error("ssd tier: headers beyond the damage in %s are lost: %s", self._path, error)
+        return entries, True, error is None
+
+    def __repr__(self) -> str:
+        return (
+            f"SsdTier(path={str(self._path)!r}, capacity_bytes={self._capacity}, "
+            f"used_bytes={self._used}, pages={len(self._sizes)})"
+        )
