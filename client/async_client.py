@@ -412,7 +412,7 @@ class AsyncStoreClient:
         except BaseException:
             await channel.close()
             raise
-        if maps and node.local_address:
+        if maps and node.local_address.startswith("unix:"):
             local = await self._open_local(node)
             if local is not None:
                 await channel.close()

@@ -118,8 +118,12 @@ def open_segment(segment: Segment) -> SegmentMap:
                 f"{path} is {st.st_size} bytes; the daemon announced {segment.size_bytes}"
             )
         try:
+            # populated: map every page now, so no later copy pays for page faults
             mapped = mmap.mmap(
-                fd, segment.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                fd,
+                segment.size_bytes,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         except OSError as exc:
             raise Unavailable(f"cannot map {path}: {exc.strerror}") from None

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar, cast
 
 import grpc
 
@@ -49,6 +49,8 @@ from client._wire import (
     stats_from_proto,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
+from client.lane import Lane, LaneStub
+from client.lane_protocol import SCHEME as LANE_SCHEME
 from client.page import PageHeader
 from client.scope import KEY_BYTES, Scope
 from client.shm import (
@@ -89,7 +91,7 @@ class _EventStream(Protocol):
 @dataclass(frozen=True, slots=True)
 class _Connection:
     channel: grpc.Channel
-    stub: StoreStub
+    stub: StoreStub  # or a LaneStub, which has the same call surface
     node: NodeInfo
     maps: tuple[SegmentMap, ...]
 
@@ -98,6 +100,8 @@ class _Connection:
         return "shm" if self.maps else "grpc"
 
     def close(self) -> None:
+        if isinstance(self.stub, LaneStub):
+            self.stub.lane.close()
         self.channel.close()
         for m in self.maps:
             m.close()
@@ -446,10 +450,9 @@ class StoreClient:
             channel.close()
             raise
         if maps and node.local_address:
-            local = self._open_local(node)
-            if local is not None:
-                channel.close()
-                channel, stub = local
+            lane_stub = self._open_local(node, stub)
+            if lane_stub is not None:
+                stub = cast(StoreStub, lane_stub)
         conn = _Connection(channel=channel, stub=stub, node=node, maps=maps)
         log.info(
             "connected to store %s (%s) at %s: %s data path",
@@ -460,28 +463,23 @@ class StoreClient:
         )
         return conn
 
-    def _open_local(self, node: NodeInfo) -> tuple[grpc.Channel, StoreStub] | None:
-        """A control channel on the daemon's unix socket, if it answers as the same node."""
-        channel = grpc.insecure_channel(
-            node.local_address, options=channel_options(self._max_message_bytes)
-        )
-        stub = StoreStub(channel)
+    def _open_local(self, node: NodeInfo, grpc_stub: StoreStub) -> LaneStub | None:
+        """Unary control calls over the daemon's same-host lane, if it answers as the same node."""
+        if not node.local_address.startswith(LANE_SCHEME):
+            return None
+        lane = Lane(node.local_address)
+        stub = LaneStub(lane, grpc_stub)
         try:
             reply = stub.NodeInfo(
                 pb.NodeInfoRequest(), timeout=min(self._timeout_s, _LOCAL_PROBE_S)
             )
-            if reply.node_id != node.node_id:
-                raise Unavailable(f"{node.local_address} is node {reply.node_id!r}")
+            if not isinstance(reply, pb.NodeInfoResponse) or reply.node_id != node.node_id:
+                raise Unavailable(f"{node.local_address} is another node")
         except (grpc.RpcError, StrataError) as exc:
-            log.info(
-                "control traffic stays on %s: %s unusable (%s)",
-                self.address,
-                node.local_address,
-                exc,
-            )
-            channel.close()
+            log.info("control traffic stays on %s: %s unusable (%s)", self.address, node.local_address, exc)
+            lane.close()
             return None
-        return channel, stub
+        return stub
 
     def _check_segments(self, conn: _Connection, lease_id: int) -> None:
         """Unless the daemon's segments are still the ones mapped here (it restarted): release

@@ -20,8 +20,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from client.hostid import host_id
+from client.lane_protocol import SCHEME
 from kvstore.config import StoreConfig, format_size
 from kvstore.errors import Unavailable
+from kvstore.lane import LaneServer
 from kvstore.metrics import StoreCollector, make_registry, serve_metrics
 from kvstore.service import NodeIdentity, StoreService
 from kvstore.store import Store
@@ -44,11 +46,13 @@ def grpc_options(config: StoreConfig) -> list[tuple[str, int]]:
 
 
 def create_server(
-    config: StoreConfig, store: Store, *, unix_socket: str | None = None
-) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """Build and bind (not start) the gRPC server for `store`; returns (server, tcp port, health).
+    config: StoreConfig, store: Store, *, local_address: str = ""
+) -> tuple[grpc.Server, int, health.HealthServicer, StoreService]:
+    """Build and bind (not start) the gRPC server for `store`.
 
-    Raises Unavailable when the address cannot be bound.
+    Returns (server, bound TCP port, health servicer, store servicer). `local_address` is what
+    NodeInfo advertises for same-host control traffic (the lane). Raises Unavailable when the
+    address cannot be bound.
     """
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="strata-rpc"),
@@ -61,21 +65,12 @@ def create_server(
         raise Unavailable(f"cannot listen on {address}: {exc}") from None
     if port == 0:
         raise Unavailable(f"cannot listen on {address} (in use?)")
-    local = ""
-    if unix_socket:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(unix_socket)
-        try:
-            if server.add_insecure_port(f"unix:{unix_socket}"):
-                local = f"unix:{unix_socket}"
-        except RuntimeError as exc:
-            log.warning("no unix socket at %s (%s); same-host clients will use TCP", unix_socket, exc)
     node_id = config.server.node_id or f"{config.server.host}:{port}"
-    service = StoreService(store, NodeIdentity(node_id, host_id(), local))
+    service = StoreService(store, NodeIdentity(node_id, host_id(), local_address))
     store_pb2_grpc.add_StoreServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    return server, port, health_servicer
+    return server, port, health_servicer, service
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +96,7 @@ class Daemon:
         self._health: health.HealthServicer | None = None
         self._stop_metrics: Callable[[], None] | None = None
         self.info: DaemonInfo | None = None
+        self._lane: LaneServer | None = None
 
     def start(self) -> DaemonInfo:
         cfg = self.config
@@ -109,10 +105,22 @@ class Daemon:
         self.store = store
         try:
             sock = cfg.unix_socket_path
-            sock_str = None
+            sock_str = ""
             if sock is not None:
-                sock_str = str(sock if cfg.server.port else sock.with_name(f"strata-{uuid.uuid4().hex[:8]}.sock"))
-            server, port, health_servicer = create_server(cfg, store, unix_socket=sock_str)
+                sock_str = str(
+                    sock if cfg.server.port else sock.with_name(f"strata-{uuid.uuid4().hex[:8]}.sock")
+                )
+            server, port, health_servicer, service = create_server(
+                cfg, store, local_address=f"{SCHEME}{sock_str}" if sock_str else ""
+            )
+            if sock_str:
+                self._lane = LaneServer(sock_str, service, cfg.limits.max_message_bytes)
+                try:
+                    self._lane.start()
+                except OSError as exc:
+                    log.warning("no same-host lane at %s (%s); local clients use gRPC", sock_str, exc)
+                    self._lane = None
+                    service.node = dataclasses.replace(service.node, local_address="")
             self.server = server
             self._health = health_servicer
             metrics_url = ""
@@ -135,7 +143,7 @@ class Daemon:
         except BaseException:
             self.stop()
             raise
-        local = f"unix:{sock_str}" if sock_str and os.path.exists(sock_str) else ""
+        local = service.node.local_address
         self.info = DaemonInfo(
             address=f"{cfg.server.host}:{port}",
             port=port,
@@ -164,6 +172,9 @@ class Daemon:
         """Stop serving (finishing in-flight calls for up to grace_s) and close the store."""
         if self._health is not None:
             self._health.enter_graceful_shutdown()
+        if self._lane is not None:
+            self._lane.stop()
+            self._lane = None
         if self.server is not None:
             self.server.stop(grace_s).wait()
             self.server = None

@@ -26,6 +26,8 @@ from kvstore.tiers.buddy import BuddyAllocator
 
 __all__ = ["SHM_DIR", "DramTier", "segment_path"]
 
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -55,8 +57,11 @@ class DramTier:
         fd = self._create_file()
         try:
             os.ftruncate(fd, size)
+            # Allocate the memory now (a /dev/shm too small fails here, clearly, not with SIGBUS
+            # on some later write) and map it populated, so no copy pays for page faults.
+            os.posix_fallocate(fd, 0, size)
             self._map: mmap.mmap | None = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
         except OSError as exc:
             os.close(fd)

@@ -1,6 +1,6 @@
 """DESIGN §2 import rules that the import-linter contracts in pyproject.toml cannot express.
 
-- Inside kvstore/, only service.py and server.py (and cli.py) import grpc, grpc_health or the
+- Inside kvstore/, only service.py, server.py, lane.py (the server edge) and cli.py import grpc, grpc_health or the
   generated *_pb2_grpc stubs.
 - Inside kvstore/, only the GPU tier (kvstore/tiers/gpu.py) imports torch.
 - engine/ imports from `client` only the names in `client.__all__`: never a submodule
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-GRPC_ALLOWED = ("kvstore.service", "kvstore.server", "kvstore.cli")
+GRPC_ALLOWED = ("kvstore.service", "kvstore.server", "kvstore.lane", "kvstore.cli")
 TORCH_ALLOWED = ("kvstore.tiers.gpu",)
 CLIENT_FORBIDDEN = ("torch", "triton", "numpy")
 

@@ -45,6 +45,7 @@ from client.shm import (
     write_reserved,
 )
 from client.types import Limits, NodeInfo, Segment
+from kvstore.lane import LaneServer
 from kvstore_pb import API_VERSION
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb import store_pb2_grpc as pb_grpc
@@ -305,6 +306,7 @@ class SameHostStore(pb_grpc.StoreServicer):
 
     segment: Segment
     local_address: str = ""
+    lane: LaneServer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     calls: Counter[str] = field(default_factory=Counter)
     peers: list[str] = field(default_factory=list)
@@ -427,14 +429,17 @@ class Served:
 
 
 def serve(segment: Segment, *, unix: bool) -> tuple[grpc.Server, Served, str]:
+    """A gRPC server for a fake store; with `unix`, also its same-host lane."""
     store = SameHostStore(segment)
     server = grpc.server(ThreadPoolExecutor(max_workers=8))
     pb_grpc.add_StoreServicer_to_server(store, server)
     port = server.add_insecure_port("127.0.0.1:0")
     sock_dir = tempfile.mkdtemp(prefix="strata-sock-")
     if unix:
-        store.local_address = f"unix:{sock_dir}/store.sock"
-        server.add_insecure_port(store.local_address)
+        lane = LaneServer(f"{sock_dir}/store.sock", store, 1 << 24)  # type: ignore[arg-type]
+        lane.start()
+        store.lane = lane
+        store.local_address = f"lane:{sock_dir}/store.sock"
     server.start()
     return server, Served(store, f"127.0.0.1:{port}"), sock_dir
 
@@ -456,6 +461,8 @@ def same_host_unix(segment: Segment) -> Iterator[Served]:
         yield served
     finally:
         server.stop(0)
+        if served.store.lane is not None:
+            served.store.lane.stop()
         for leftover in Path(sock_dir).iterdir():
             leftover.unlink()
         os.rmdir(sock_dir)
@@ -506,18 +513,18 @@ def test_failed_commit_releases_the_reservation(same_host: Served) -> None:
     assert store.released == [1] and not store.leases
 
 
-def test_control_traffic_moves_to_the_unix_socket(same_host_unix: Served) -> None:
+def test_control_traffic_moves_to_the_lane(same_host_unix: Served) -> None:
     store = same_host_unix.store
     with StoreClient(same_host_unix.address) as client:
         client.connect()
         assert client.transport == "shm"
         client.lookup(SCOPE, [bytes(16)])
     assert store.peers[0].startswith("ipv4:")  # the first NodeInfo
-    assert all(p.startswith("unix:") for p in store.peers[1:]), store.peers
+    assert store.peers[1:] and all(p == "lane" for p in store.peers[1:]), store.peers
 
 
 def test_unusable_local_address_falls_back_to_tcp(same_host: Served) -> None:
-    same_host.store.local_address = "unix:/nonexistent/strata.sock"
+    same_host.store.local_address = "lane:/nonexistent/strata.sock"
     with StoreClient(same_host.address, timeout_s=3) as client:
         client.connect()
         assert client.lookup(SCOPE, [bytes(16)]).hit_count == 0

@@ -1,0 +1,166 @@
+"""The client end of the same-host control lane (framing in client/lane_protocol.py).
+
+`LaneStub` looks like the generated gRPC stub to the client's call code: `stub.Acquire(request,
+timeout=...)` returns the reply or raises a `grpc.RpcError` carrying the status code, details and
+retry hint, so retries and error mapping are shared with the gRPC path. Streaming methods (Put,
+Get, Watch) are forwarded to a real gRPC stub. Connections are pooled, so concurrent callers
+(threads or greenlets) never wait on each other's round trips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+import grpc
+from google.protobuf.message import Message
+
+from client.lane_protocol import (
+    METHOD_IDS,
+    METHODS,
+    ONE_WAY,
+    REQUEST,
+    RESPONSE,
+    SCHEME,
+    STATUS_OK,
+    LaneClosed,
+    recv_exact,
+)
+from kvstore_pb.store_pb2_grpc import StoreStub
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+_MAX_IDLE = 8
+
+
+class LaneError(grpc.RpcError):
+    """A lane call that failed, shaped like a grpc.Call error for the shared error mapping."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, retry_after_ms: int = 0) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+        self._retry_after_ms = retry_after_ms
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    # grpc returns (key, value) pairs here; its type stub says otherwise
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:  # type: ignore[override]
+        if self._retry_after_ms:
+            return (("retry-after-ms", str(self._retry_after_ms)),)
+        return ()
+
+
+class _Done:
+    """The result of a one-way call: already complete."""
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> None:
+        return None
+
+
+class _LaneMethod:
+    def __init__(self, lane: Lane, name: str) -> None:
+        self._lane = lane
+        self._id = METHOD_IDS[name]
+        self._reply_type = METHODS[self._id][2]
+
+    def __call__(self, request: Message, timeout: float | None = None) -> Message:
+        body = self._lane.call(self._id, request.SerializeToString(), timeout, one_way=False)
+        return self._reply_type.FromString(body)
+
+    def future(self, request: Message, timeout: float | None = None) -> _Done:
+        """Send without waiting for any reply (the lane's one-way frame)."""
+        self._lane.call(self._id, request.SerializeToString(), timeout, one_way=True)
+        return _Done()
+
+
+class Lane:
+    """A pool of unix-socket connections to one daemon's lane."""
+
+    def __init__(self, address: str) -> None:
+        if not address.startswith(SCHEME):
+            raise ValueError(f"not a lane address: {address!r}")
+        self.path = address[len(SCHEME) :]
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _take(self, timeout: float | None) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise LaneError(grpc.StatusCode.UNAVAILABLE, "lane closed")
+            if self._idle:
+                sock = self._idle.pop()
+                sock.settimeout(timeout)
+                return sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}") from None
+        return sock
+
+    def _give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < _MAX_IDLE:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def call(self, method: int, payload: bytes, timeout: float | None, *, one_way: bool) -> bytes:
+        """One request (and, unless one-way, its response). Raises LaneError."""
+        sock = self._take(timeout)
+        try:
+            sock.sendall(REQUEST.pack(len(payload), method, ONE_WAY if one_way else 0, 0) + payload)
+            if one_way:
+                self._give_back(sock)
+                return b""
+            length, status, retry_ms = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
+            body = bytes(recv_exact(sock, length)) if length else b""
+        except TimeoutError:
+            sock.close()
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call timed out") from None
+        except (LaneClosed, OSError) as exc:
+            sock.close()
+            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane: {exc}") from None
+        self._give_back(sock)
+        if status != STATUS_OK:
+            code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+            raise LaneError(code, body.decode(errors="replace"), retry_ms)
+        return body
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+class LaneStub:
+    """Drop-in for StoreStub: unary calls over the lane, streams over gRPC."""
+
+    def __init__(self, lane: Lane, grpc_stub: StoreStub) -> None:
+        self.lane = lane
+        self.NodeInfo = _LaneMethod(lane, "NodeInfo")
+        self.Lookup = _LaneMethod(lane, "Lookup")
+        self.Reserve = _LaneMethod(lane, "Reserve")
+        self.Commit = _LaneMethod(lane, "Commit")
+        self.Acquire = _LaneMethod(lane, "Acquire")
+        self.Release = _LaneMethod(lane, "Release")
+        self.Renew = _LaneMethod(lane, "Renew")
+        self.Delete = _LaneMethod(lane, "Delete")
+        self.Stats = _LaneMethod(lane, "Stats")
+        self.Put = grpc_stub.Put
+        self.Get = grpc_stub.Get
+        self.Watch = grpc_stub.Watch

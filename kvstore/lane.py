@@ -1,0 +1,154 @@
+"""The daemon's end of the same-host control lane (framing in client/lane_protocol.py).
+
+One thread accepts connections on a unix socket; one thread per connection reads request
+frames and dispatches them to the very same StoreService handlers as gRPC does, through a small
+context object that turns `abort` into an error frame. So the lane adds no behaviour of its own:
+it is only a cheaper way to carry the same messages between processes on one host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+
+import grpc
+from google.protobuf.message import Message
+
+from client.lane_protocol import (
+    METHODS,
+    ONE_WAY,
+    REQUEST,
+    RESPONSE,
+    STATUS_OK,
+    LaneClosed,
+    recv_exact,
+)
+from kvstore.service import StoreService
+
+log = logging.getLogger(__name__)
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _LaneContext:
+    """The slice of grpc.ServicerContext that unary StoreService handlers use."""
+
+    def __init__(self) -> None:
+        self.retry_after_ms = 0
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Abort(code, details)
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        for key, value in metadata:
+            if key == "retry-after-ms":
+                self.retry_after_ms = int(value)
+
+    def is_active(self) -> bool:
+        return True
+
+    def peer(self) -> str:
+        return "lane"
+
+
+class LaneServer:
+    """Serves the lane on `path` for `service`. `start()`, then `stop()`."""
+
+    def __init__(self, path: str, service: StoreService, max_frame_bytes: int) -> None:
+        self.path = path
+        self._service = service
+        self._max_frame = max_frame_bytes
+        self._sock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._handlers: dict[int, tuple[type[Message], Callable[..., Message]]] = {
+            mid: (req_type, getattr(service, name)) for mid, (name, req_type, _) in METHODS.items()
+        }
+
+    def start(self) -> None:
+        """Bind and listen; raises OSError when the path cannot be bound."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(self.path)
+        os.chmod(self.path, 0o600)
+        sock.listen(128)
+        self._sock = sock
+        threading.Thread(target=self._accept, name="strata-lane-accept", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop accepting, close every connection, remove the socket file."""
+        with self._lock:
+            self._stopped = True
+            conns, self._conns = list(self._conns), set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed by stop()
+            with self._lock:
+                if self._stopped:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="strata-lane", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                length, method, flags, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+                if length > self._max_frame:
+                    log.warning("lane frame of %d bytes exceeds the limit; closing", length)
+                    return
+                payload = bytes(recv_exact(conn, length)) if length else b""
+                status, retry_ms, body = self._dispatch(method, payload)
+                if not flags & ONE_WAY:
+                    conn.sendall(RESPONSE.pack(len(body), status, retry_ms) + body)
+        except (LaneClosed, OSError):
+            return
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _dispatch(self, method: int, payload: bytes) -> tuple[int, int, bytes]:
+        handler = self._handlers.get(method)
+        if handler is None:
+            return grpc.StatusCode.UNIMPLEMENTED.value[0], 0, f"unknown lane method {method}".encode()
+        req_type, fn = handler
+        context = _LaneContext()
+        try:
+            request = req_type.FromString(payload)
+        except Exception as exc:  # protobuf's DecodeError and friends
+            return grpc.StatusCode.INVALID_ARGUMENT.value[0], 0, f"malformed request: {exc}".encode()
+        try:
+            reply = fn(request, context)
+        except _Abort as abort:
+            return abort.code.value[0], context.retry_after_ms, abort.details.encode()
+        except Exception as exc:
+            log.exception("lane handler %s failed", METHODS[method][0])
+            return grpc.StatusCode.INTERNAL.value[0], 0, f"internal error: {exc}".encode()
+        return STATUS_OK, 0, reply.SerializeToString()

@@ -1,0 +1,135 @@
+"""The paged KV pool (DESIGN §4, §8): a pool page has exactly the bytes of a store page payload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client import KVLayout, Scope, decode_page, encode_page, make_header
+from engine.kv_pool import PagedKVPool, PoolExhausted
+
+pytestmark = pytest.mark.unit
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_tokens=4)
+
+
+def _filled(dtype: torch.dtype = torch.float32, pages: int = 6) -> PagedKVPool:
+    pool = PagedKVPool(LAYOUT, pages, dtype)
+    pool.tensor.copy_(torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(0)))
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name"),
+    [(torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.float16, "float16")],
+)
+def test_page_view_is_the_store_payload(dtype: torch.dtype, name: str) -> None:
+    pool = _filled(dtype)
+    assert pool.tensor.shape == (6, 3, 2, 4, 2, 8) and pool.tensor.is_contiguous()
+    assert pool.kv_dtype == name
+    assert (
+        pool.page_payload_bytes == LAYOUT.payload_bytes(name) == 3 * 2 * 4 * 2 * 8 * dtype.itemsize
+    )
+    for page in (0, 4):
+        view = pool.page_bytes_view(page)
+        assert view.nbytes == LAYOUT.payload_bytes(name)
+        assert bytes(view) == pool.tensor[page].contiguous().view(torch.uint8).numpy().tobytes()
+        assert bytes(view) == pool.read_page(page)
+    # Payload order is [layers][K,V][page_tokens][kv_heads][head_dim]: element (layer, kv, t, h, d).
+    flat = pool.tensor[2].reshape(-1)
+    layer, kv, t, h, d = 1, 1, 3, 0, 5
+    assert flat[(((layer * 2 + kv) * 4 + t) * 2 + h) * 8 + d] == pool.tensor[2, layer, kv, t, h, d]
+    assert torch.equal(pool.key_cache(layer)[2, t, h], pool.tensor[2, layer, 0, t, h])
+    assert torch.equal(pool.value_cache(layer)[2, t, h], pool.tensor[2, layer, 1, t, h])
+
+
+def test_page_view_is_zero_copy() -> None:
+    pool = _filled()
+    view = pool.page_bytes_view(3)
+    pool.tensor[3].fill_(2.0)
+    assert bytes(view[:4]) == torch.tensor([2.0]).numpy().tobytes()
+    view[:] = bytes(len(view))
+    assert torch.count_nonzero(pool.tensor[3]) == 0
+    assert torch.count_nonzero(pool.tensor[2]) > 0
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "tensor"])
+def test_load_page_round_trip(kind: str) -> None:
+    src = _filled(torch.bfloat16)
+    dst = PagedKVPool(LAYOUT, 6, torch.bfloat16)
+    payload = src.read_page(1)
+    buffer = {
+        "bytes": payload,
+        "bytearray": bytearray(payload),
+        "memoryview": memoryview(payload),
+        "tensor": src.tensor[1],
+    }[kind]
+    dst.load_page(4, buffer)
+    assert torch.equal(dst.tensor[4], src.tensor[1])
+    assert torch.count_nonzero(dst.tensor[:4].float()) == 0
+    with pytest.raises(ValueError, match="bytes"):
+        dst.load_page(0, payload[:-2])
+    with pytest.raises(ValueError, match="out of range"):
+        dst.load_page(6, payload)
+
+
+def test_publish_and_pull_through_the_page_codec() -> None:
+    """One copy each way: a pool page → encoded store page → another pool's page."""
+    scope = Scope(
+        model_id="m",
+        weights_revision="w",
+        tokenizer_fingerprint="t",
+        kv_dtype="float32",
+        layout=LAYOUT,
+    )
+    pool = _filled()
+    tokens = [5, 6, 7, 8]
+    stored = encode_page(
+        make_header(scope, scope.digest, tokens, pool.page_bytes_view(2)), pool.page_bytes_view(2)
+    )
+    header, payload = decode_page(stored)
+    header.validate_for(scope)
+    other = PagedKVPool(LAYOUT, 2)
+    other.load_page(1, payload)
+    assert torch.equal(other.tensor[1], pool.tensor[2])
+
+
+def test_allocate_and_free() -> None:
+    pool = PagedKVPool(LAYOUT, 4)
+    assert pool.allocate(2) == [0, 1] and pool.num_free == 2
+    with pytest.raises(PoolExhausted):
+        pool.allocate(3)
+    assert pool.num_free == 2  # a refused allocation takes nothing
+    rest = pool.allocate(2)
+    assert rest == [2, 3] and pool.num_free == 0
+    pool.free([1, 3])
+    assert pool.num_free == 2 and sorted(pool.allocate(2)) == [1, 3]
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([0, 0])
+    pool.free([0])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([0])
+    assert pool.pages_for(0) == 0 and pool.pages_for(4) == 1 and pool.pages_for(5) == 2
+
+
+def test_slots_and_gather_follow_the_block_table() -> None:
+    pool = _filled(pages=8)
+    table = [5, 2, 7]
+    assert pool.slot_mapping(table, 3, 3).tolist() == [5 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1]
+    with pytest.raises(ValueError, match="cannot hold"):
+        pool.slot_mapping(table, 10, 3)
+    k, v = pool.gather(table, 10, layer=1)
+    assert k.shape == v.shape == (10, 2, 8)
+    for i in range(10):
+        page, off = table[i // 4], i % 4
+        assert torch.equal(k[i], pool.tensor[page, 1, 0, off])
+        assert torch.equal(v[i], pool.tensor[page, 1, 1, off])
+    with pytest.raises(ValueError, match="cannot hold"):
+        pool.gather(table, 13, layer=0)
+
+
+def test_pool_rejects_unsupported_dtype_and_size() -> None:
+    with pytest.raises(ValueError, match="not supported"):
+        PagedKVPool(LAYOUT, 2, torch.float64)
+    with pytest.raises(ValueError, match="positive"):
+        PagedKVPool(LAYOUT, 0)
