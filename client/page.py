@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -64,6 +64,8 @@ class PageHeader:
     layout: KVLayout
     payload_bytes: int
     payload_checksum: int
+    # the encoded bytes, when known (decoded or built here); never part of equality
+    _raw: bytes = field(default=b"", init=False, compare=False, repr=False)
 
     @property
     def header_bytes(self) -> int:
@@ -76,6 +78,8 @@ class PageHeader:
 
     def encode(self) -> bytes:
         """The exact header bytes; raises InvalidArgument on a digest or key of the wrong size."""
+        if self._raw:
+            return self._raw
         for name in ("scope_digest", "key", "parent"):
             if len(getattr(self, name)) != KEY_BYTES:
                 raise InvalidArgument(f"PageHeader.{name} must be {KEY_BYTES} bytes")
@@ -135,12 +139,10 @@ class PageHeader:
         dtype = DTYPE_BY_CODE.get(code)
         if dtype is None:
             raise Corrupt(f"unknown dtype code {code}")
-        try:
-            layout = KVLayout(layers, heads, head_dim, page_tokens)
-        except InvalidArgument as exc:
-            raise Corrupt(f"bad layout in page header: {exc}") from None
+        layout = _layout(layers, heads, head_dim, page_tokens)
         tokens = struct.unpack_from(f"<{token_count}I", view, HEADER_FIXED_BYTES)
-        return cls(
+        raw = bytes(view[:header_bytes]) if isinstance(data, memoryview) or len(view) != header_bytes else data
+        header = cls(
             scope_digest=bytes(scope_digest),
             key=bytes(key),
             parent=bytes(parent),
@@ -150,6 +152,8 @@ class PageHeader:
             payload_bytes=payload_bytes,
             payload_checksum=checksum,
         )
+        object.__setattr__(header, "_raw", bytes(raw))
+        return header
 
     def verify_payload(self, payload: Buffer) -> None:
         """Raise Corrupt unless `payload` has this header's length and checksum."""
@@ -185,6 +189,23 @@ class PageHeader:
             raise InvalidArgument("page key is not chain_key(parent, tokens)")
 
 
+_LAYOUTS: dict[tuple[int, int, int, int], KVLayout] = {}
+
+
+def _layout(layers: int, heads: int, head_dim: int, page_tokens: int) -> KVLayout:
+    """Decoded layouts are few: validate each once and share the frozen value."""
+    key = (layers, heads, head_dim, page_tokens)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        try:
+            layout = KVLayout(layers, heads, head_dim, page_tokens)
+        except InvalidArgument as exc:
+            raise Corrupt(f"bad layout in page header: {exc}") from None
+        if len(_LAYOUTS) < 4096:
+            _LAYOUTS[key] = layout
+    return layout
+
+
 def make_header(scope: Scope, parent: bytes, tokens: Sequence[int], payload: Buffer) -> PageHeader:
     """Build the header of the page that follows `parent` (the scope digest for the first page).
 
@@ -202,6 +223,7 @@ def make_header(scope: Scope, parent: bytes, tokens: Sequence[int], payload: Buf
         payload_checksum=payload_checksum(payload),
     )
     header.validate_for(scope)
+    object.__setattr__(header, "_raw", header.encode())
     return header
 
 

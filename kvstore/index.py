@@ -66,12 +66,23 @@ class PageEntry:
     @property
     def tiers(self) -> tuple[Tier, ...]:
         """Tiers holding the page, fastest first."""
-        return tuple(t for t in _TIERS if _resident(self, t))
+        out: tuple[Tier, ...] = ()
+        if self.gpu is not None:
+            out += (Tier.GPU,)
+        if self.dram is not None:
+            out += (Tier.DRAM,)
+        if self.ssd:
+            out += (Tier.SSD,)
+        return out
 
     @property
     def fastest(self) -> Tier | None:
         """The fastest tier holding the page (None only for an entry not yet inserted)."""
-        return next((t for t in _TIERS if _resident(self, t)), None)
+        if self.gpu is not None:
+            return Tier.GPU
+        if self.dram is not None:
+            return Tier.DRAM
+        return Tier.SSD if self.ssd else None
 
 
 def _resident(entry: PageEntry, tier: Tier) -> bool:

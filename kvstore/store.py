@@ -10,6 +10,7 @@ result, never an error.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -20,7 +21,13 @@ from dataclasses import dataclass
 from client.page import PageHeader
 from client.scope import KEY_BYTES, Scope
 from kvstore.config import StoreConfig
-from kvstore.errors import CapacityExhausted, Corrupt, InvalidArgument, LeaseExpired
+from kvstore.errors import (
+    CapacityExhausted,
+    Corrupt,
+    InvalidArgument,
+    LeaseExpired,
+    StrataError,
+)
 from kvstore.events import EventKind, EventLog
 from kvstore.index import Index, PageEntry
 from kvstore.keys import IoClass, Tier
@@ -227,6 +234,8 @@ class Store:
             raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
         with self._lock:
             hits = self.index.lookup_prefix(scope_digest, keys)
+            if self._doomed:  # deleted while leased: gone for new readers, as `acquire` says
+                hits = list(itertools.takewhile(lambda e: e.key not in self._doomed, hits))
             tiers = tuple(e.fastest or Tier.SSD for e in hits)
         with self.counters.lock:
             self.counters.lookups += 1
@@ -311,9 +320,13 @@ class Store:
         """
         with self._lock:
             self.reap_leases()
-            lease = self.leases.release(lease_id)
+            # A read lease handed in by mistake stays as it is (its pages stay pinned until it
+            # is released or expires): checked before the lease leaves the table.
+            if self.leases.get(lease_id).kind is not LeaseKind.RESERVE:
+                raise LeaseExpired(f"lease {lease_id} is not a write reservation")
+            self.leases.release(lease_id)
             granted = self._pending.pop(lease_id, None)
-            if lease.kind is not LeaseKind.RESERVE or granted is None:
+            if granted is None:
                 raise LeaseExpired(f"lease {lease_id} is not a write reservation")
             stored = 0
             for pending in granted:
@@ -341,22 +354,28 @@ class Store:
                     EventKind.STORED, key, pending.header.scope_digest,
                     pending.header.payload_bytes, None, Tier.DRAM,
                 )
-                self._place(self.index.get(key), tier)
+                self._place(self.index.get(key), tier, io_class)
             self.counters.add_bytes(
                 path, "in", io_class, sum(p.header.payload_bytes for p in granted if p is not None)
             )
         self.mover.kick()
         return stored
 
-    def _place(self, entry: PageEntry | None, tier: Tier | None) -> None:
+    def _place(self, entry: PageEntry | None, tier: Tier | None, io_class: IoClass) -> None:
+        """Move a just-committed DRAM page where its writer asked. Best effort: a page that cannot
+        go there (the tier is full of leased pages, too small, failing) stays stored in DRAM;
+        raising here would leave the rest of the reservation neither stored nor freed."""
         if entry is None:
             return
-        if tier is Tier.GPU and self.tiers.gpu is not None:
-            self.tiers.move_to_gpu(entry)
-        elif tier is Tier.SSD and self.tiers.ssd is not None:
-            self.tiers.move_to_ssd(entry)
-        elif self.write_mode is WriteMode.WRITE_THROUGH and self.tiers.ssd is not None:
-            self.mover.write_through(entry.key)
+        try:
+            if tier is Tier.GPU and self.tiers.gpu is not None:
+                self.tiers.move_to_gpu(entry)
+            elif tier is Tier.SSD and self.tiers.ssd is not None:
+                self.tiers.move_to_ssd(entry, io_class)
+            elif self.write_mode is WriteMode.WRITE_THROUGH and self.tiers.ssd is not None:
+                self.mover.write_through(entry.key)
+        except StrataError as exc:
+            log.warning("page %s stays in DRAM, not placed in %s: %s", entry.key.hex(), tier, exc)
 
     def abort(self, lease_id: int) -> bool:
         """Cancel a reservation (frees its slots). Mutates. False if unknown or expired."""
@@ -395,6 +414,7 @@ class Store:
                 if entry.dram is None and entry.gpu is None:
                     need_ssd.append(i)
         payloads: dict[int, bytes | None] = {}
+        hit_tiers: list[Tier] = []
         if need_ssd:
             payloads = self._read_ssd([keys[i] for i in need_ssd], need_ssd, io_class)
         with self._lock:
@@ -419,8 +439,9 @@ class Store:
                         continue
                 assert entry.dram is not None and source is not None
                 self.index.touch(key)
-                self._count_hit(source)
+                hit_tiers.append(source)
                 held[i] = HeldPage(source, entry.dram, entry.payload_bytes, entry.header)
+            self._count_hits(hit_tiers)
             if not pinned:
                 return Acquisition(0, tuple(held), 0)
             lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
@@ -557,13 +578,17 @@ class Store:
 
     # ---- accounting -------------------------------------------------------------------------
 
-    def _count_hit(self, tier: Tier) -> None:
+    def _count_hits(self, tiers: Sequence[Tier]) -> None:
+        """Count pages served by their tier; every faster tier present was consulted and missed."""
+        if not tiers:
+            return
+        faster = [t for t in (Tier.GPU, Tier.DRAM) if t is not Tier.GPU or self.tiers.gpu is not None]
         with self.counters.lock:
-            self.counters.hits[tier] += 1
-            # every faster tier that exists was consulted and missed
-            for faster in (Tier.GPU, Tier.DRAM):
-                if faster < tier and (faster is not Tier.GPU or self.tiers.gpu is not None):
-                    self.counters.misses[faster] += 1
+            for tier in tiers:
+                self.counters.hits[tier] += 1
+                for f in faster:
+                    if f < tier:
+                        self.counters.misses[f] += 1
 
     def _count_miss(self, first: Tier, *, through_ssd: bool) -> None:
         with self.counters.lock:
