@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from client.errors import (
     CapacityExhausted,
@@ -365,7 +366,190 @@ class RetryPolicy:
         return delay
 
 
+# ---- hand-built protobuf of the data-path messages ---------------------------------------
+#
+# The bulk messages (PutRequest and GetResponse carrying a PageChunk) are encoded and decoded
+# here by hand, so that payload bytes are copied once into the outgoing message and read in
+# place from the incoming one (the generated classes copy them once more each way, and accept
+# no memoryview). The bytes are exactly what SerializeToString writes (fields in number order,
+# proto3 defaults omitted), and the decoders accept any encoding of these messages: whatever
+# they do not expect (unknown or repeated fields, other wire types) sends the message to the
+# generated parser instead, so a third-party peer built from store.proto works unchanged.
+
+# Tags: field number << 3 | wire type (0 varint, 2 length-delimited).
+TAG_PUT_BEGIN = 0x0A  # PutRequest.begin = 1
+TAG_PUT_CHUNK = 0x12  # PutRequest.chunk = 2
+TAG_GET_CHUNK = 0x0A  # GetResponse.chunk = 1
+TAG_GET_MISSING = 0x10  # GetResponse.missing = 2
+_TAG_INDEX = 0x08  # PageChunk.index = 1
+_TAG_HEADER = 0x12  # PageChunk.header = 2
+_TAG_OFFSET = 0x18  # PageChunk.offset = 3
+_TAG_DATA = 0x22  # PageChunk.data = 4
+_SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))
+_UINT32_MAX = (1 << 32) - 1
+_UINT64_MAX = (1 << 64) - 1
+
+
+def varint(value: int) -> bytes:
+    """The protobuf varint encoding of a non-negative integer."""
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def chunk_message_prefix(tag: int, index: int, header: bytes, offset: int, size: int) -> bytes:
+    """The bytes of a message whose field `tag` is PageChunk{index, header, offset, data},
+    up to the data itself: followed by the `size` data bytes it is the whole message."""
+    parts: list[bytes] = []
+    if index:
+        parts += (_SMALL_VARINTS[_TAG_INDEX], varint(index))
+    if header:
+        parts += (_SMALL_VARINTS[_TAG_HEADER], varint(len(header)), header)
+    if offset:
+        parts += (_SMALL_VARINTS[_TAG_OFFSET], varint(offset))
+    if size:
+        parts += (_SMALL_VARINTS[_TAG_DATA], varint(size))
+    inner = sum(map(len, parts)) + size
+    return b"".join((_SMALL_VARINTS[tag], varint(inner), *parts))
+
+
+def chunk_message(
+    tag: int, index: int, header: bytes, offset: int, data: bytes | memoryview
+) -> bytes:
+    """A whole message whose field `tag` is a PageChunk: one copy of `data`."""
+    size = memoryview(data).nbytes
+    prefix = chunk_message_prefix(tag, index, header, offset, size)
+    return b"".join((prefix, data)) if size else prefix
+
+
+class ChunkView:
+    """A decoded PageChunk whose `data` is a view into the received message (no copy)."""
+
+    __slots__ = ("data", "header", "index", "offset")
+
+    def __init__(self, index: int, header: bytes, offset: int, data: memoryview) -> None:
+        self.index = index
+        self.header = header
+        self.offset = offset
+        self.data = data
+
+
+class _Unexpected(Exception):
+    """An encoding the fast decoder leaves to the generated parser."""
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = 0
+    shift = 0
+    while pos < end:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            break
+    raise _Unexpected
+
+
+def _decode_chunk(buf: memoryview, pos: int, end: int) -> ChunkView:
+    index = offset = 0
+    header = b""
+    data = buf[pos:pos]
+    seen = 0
+    while pos < end:
+        tag = buf[pos]
+        pos += 1
+        if tag & 0x80 or (seen >> tag) & 1:  # a long tag, or a field repeated
+            raise _Unexpected
+        seen |= 1 << tag
+        if tag == _TAG_INDEX:
+            index, pos = _read_varint(buf, pos, end)
+            if index > _UINT32_MAX:
+                raise _Unexpected
+        elif tag == _TAG_OFFSET:
+            offset, pos = _read_varint(buf, pos, end)
+        elif tag in (_TAG_HEADER, _TAG_DATA):
+            size, pos = _read_varint(buf, pos, end)
+            if size > end - pos:
+                raise _Unexpected
+            if tag == _TAG_HEADER:
+                header = buf[pos : pos + size].tobytes()
+            else:
+                data = buf[pos : pos + size]
+            pos += size
+        else:
+            raise _Unexpected
+    if pos != end:
+        raise _Unexpected
+    return ChunkView(index, header, offset, data)
+
+
+def decode_chunk_message(raw: bytes, tag: int) -> ChunkView | None:
+    """The PageChunk of a message made of only field `tag`, encoded as `chunk_message` does
+    (fields in any order, each at most once); None for anything else (parse it generically)."""
+    buf = memoryview(raw)
+    end = len(buf)
+    if end < 2 or buf[0] != tag:
+        return None
+    try:
+        size, pos = _read_varint(buf, 1, end)
+        if pos + size != end:
+            return None
+        return _decode_chunk(buf, pos, end)
+    except _Unexpected:
+        return None
+
+
 # ---- put stream --------------------------------------------------------------------------
+
+
+def _put_begin_message(
+    scope: Scope, page_count: int, io_class: IoClass, tier: Tier | None
+) -> bytes:
+    return pb.PutRequest(
+        begin=pb.PutBegin(
+            scope=scope.encode(),
+            io_class=io_class_value(io_class),
+            page_count=page_count,
+            tier=tier_value(tier),
+        )
+    ).SerializeToString()
+
+
+def put_messages(
+    scope: Scope,
+    pages: Sequence[Page],
+    payloads: Sequence[memoryview],
+    *,
+    io_class: IoClass,
+    tier: Tier | None,
+    chunk_bytes: int,
+) -> Iterator[bytes]:
+    """The serialized PutRequests of one Put stream: a PutBegin, then each page's chunks.
+
+    The first chunk of page i carries its header; the chunks' data cover the payload exactly,
+    at increasing offsets, at most `chunk_bytes` each; an empty payload still sends one chunk.
+    Each message is built with one copy of its data (no protobuf object in between). Send them
+    with the identity serializer `raw_bytes`.
+    """
+    yield _put_begin_message(scope, len(pages), io_class, tier)
+    for index, (page, view) in enumerate(zip(pages, payloads, strict=True)):
+        header = page.header.encode()
+        size = view.nbytes
+        if size == 0:
+            yield chunk_message(TAG_PUT_CHUNK, index, header, 0, b"")
+            continue
+        for offset in range(0, size, chunk_bytes):
+            end = min(offset + chunk_bytes, size)
+            part = view if offset == 0 and end == size else view[offset:end]
+            yield chunk_message(TAG_PUT_CHUNK, index, header if offset == 0 else b"", offset, part)
 
 
 def put_requests(
@@ -377,39 +561,20 @@ def put_requests(
     tier: Tier | None,
     chunk_bytes: int,
 ) -> Iterator[pb.PutRequest]:
-    """The messages of one Put stream: a PutBegin, then each page's chunks in order.
+    """`put_messages` as generated PutRequest objects (for stubs built from store.proto)."""
+    for raw in put_messages(
+        scope, pages, payloads, io_class=io_class, tier=tier, chunk_bytes=chunk_bytes
+    ):
+        yield pb.PutRequest.FromString(raw)
 
-    The first chunk of page i carries its header; the chunks' data cover the payload exactly,
-    at increasing offsets, at most `chunk_bytes` each; an empty payload still sends one chunk.
-    A payload that is `bytes` and fits one chunk is sent without a copy; other slices are copied
-    once into the message (protobuf `bytes` fields accept no memoryview).
-    """
-    yield pb.PutRequest(
-        begin=pb.PutBegin(
-            scope=scope.encode(),
-            io_class=io_class_value(io_class),
-            page_count=len(pages),
-            tier=tier_value(tier),
-        )
-    )
-    for index, (page, view) in enumerate(zip(pages, payloads, strict=True)):
-        header = page.header.encode()
-        size = view.nbytes
-        if size == 0:
-            yield pb.PutRequest(chunk=pb.PageChunk(index=index, header=header, offset=0))
-            continue
-        whole = page.payload if isinstance(page.payload, bytes) else None
-        for offset in range(0, size, chunk_bytes):
-            end = min(offset + chunk_bytes, size)
-            if whole is not None and offset == 0 and end == size:
-                data = whole
-            else:
-                data = view[offset:end].tobytes()
-            yield pb.PutRequest(
-                chunk=pb.PageChunk(
-                    index=index, header=header if offset == 0 else b"", offset=offset, data=data
-                )
-            )
+
+def raw_bytes(message: bytes) -> bytes:
+    """Identity (de)serializer: the message is already protobuf bytes."""
+    return message
+
+
+PUT_METHOD = "/strata.store.v1.Store/Put"
+GET_METHOD = "/strata.store.v1.Store/Get"
 
 
 # ---- get stream --------------------------------------------------------------------------
@@ -443,15 +608,27 @@ class GetAssembler:
     def feed(self, msg: pb.GetResponse) -> None:
         part = msg.WhichOneof("part")
         if part == "missing":
-            index = self._index(msg.missing)
-            if self._state[index] == _PENDING:
-                self._state[index] = _MISSING
-            else:
-                self._drop(index, "reported missing after data")
+            self._missing(msg.missing)
         elif part == "chunk":
             self._chunk(msg.chunk)
         else:
             raise malformed("empty GetResponse")
+
+    def feed_message(self, raw: bytes) -> None:
+        """Feed one serialized GetResponse (from a call made with `raw_bytes` as its response
+        deserializer): chunk data is copied straight from the message into its buffer."""
+        chunk = decode_chunk_message(raw, TAG_GET_CHUNK)
+        if chunk is not None:
+            self._chunk(chunk)
+            return
+        if len(raw) == 2 and raw[0] == TAG_GET_MISSING and raw[1] < 0x80:
+            self._missing(raw[1])
+            return
+        try:
+            msg = pb.GetResponse.FromString(raw)
+        except DecodeError:
+            raise malformed("undecodable GetResponse") from None
+        self.feed(msg)
 
     def finish(self) -> tuple[PageHeader | None, ...]:
         """The header of each delivered page, None for each miss."""
@@ -486,7 +663,14 @@ class GetAssembler:
             self._state[index] = _BAD
         log.debug("get: page %d dropped: %s", index, why)
 
-    def _chunk(self, chunk: pb.PageChunk) -> None:
+    def _missing(self, index: int) -> None:
+        index = self._index(index)
+        if self._state[index] == _PENDING:
+            self._state[index] = _MISSING
+        else:
+            self._drop(index, "reported missing after data")
+
+    def _chunk(self, chunk: pb.PageChunk | ChunkView) -> None:
         index = self._index(chunk.index)
         state = self._state[index]
         if state == _BAD:

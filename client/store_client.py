@@ -28,6 +28,8 @@ import grpc
 
 from client._wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    GET_METHOD,
+    PUT_METHOD,
     Deadline,
     GetAssembler,
     RetryPolicy,
@@ -44,8 +46,9 @@ from client._wire import (
     node_info_from_proto,
     packed_keys,
     payload_views,
-    put_requests,
+    put_messages,
     put_statuses_from_proto,
+    raw_bytes,
     stats_from_proto,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
@@ -334,10 +337,14 @@ class StoreClient:
         tier: Tier | None,
     ) -> tuple[PutStatus, ...]:
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
+        # Messages are built by hand (one copy of each payload), so the call sends them as is.
+        put = conn.channel.stream_unary(
+            PUT_METHOD, request_serializer=raw_bytes, response_deserializer=pb.PutResponse.FromString
+        )
 
         def attempt(timeout: float) -> pb.PutResponse:
-            requests = put_requests(scope, pages, views, io_class=io, tier=tier, chunk_bytes=chunk)
-            reply = conn.stub.Put(requests, timeout=timeout)
+            requests = put_messages(scope, pages, views, io_class=io, tier=tier, chunk_bytes=chunk)
+            reply = put(requests, timeout=timeout)
             if not isinstance(reply, pb.PutResponse):
                 raise malformed(f"Put answered {type(reply).__name__}")
             return reply
@@ -381,13 +388,18 @@ class StoreClient:
         verify: bool,
     ) -> tuple[PageHeader | None, ...]:
         request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
+        # Replies are decoded by hand, straight from the received bytes into `views`.
+        get = conn.channel.unary_stream(
+            GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=raw_bytes,
+        )
 
         def attempt(timeout: float) -> GetAssembler:
             assembler = GetAssembler(scope, keys, views, verify=verify)
-            call = conn.stub.Get(request, timeout=timeout)
+            call = get(request, timeout=timeout)
             try:
-                for msg in call:
-                    assembler.feed(msg)
+                for raw in call:
+                    assembler.feed_message(raw)
             except BaseException:
                 call.cancel()
                 raise

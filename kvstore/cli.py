@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(ns.config, overrides=overrides_from(ns))
         daemon = Daemon(config)
         info = daemon.start()
-    except StrataError as exc:
+    except (StrataError, OSError) as exc:
         print(f"strata serve: {exc}", file=sys.stderr)
         return 2
     print(f"strata store serving on {info.address}", flush=True)

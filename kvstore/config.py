@@ -70,7 +70,7 @@ def default_cache_dir() -> Path:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 7700
-    # Same-host control traffic goes over this unix socket ("" = <data_dir>/strata.sock, "off" = none).
+    # The same-host lane's unix socket ("" = <data_dir>/strata-<port>.sock, "off" = no lane).
     unix_socket: str = ""
     metrics_port: int = 7701  # 0 = pick a free port; -1 = no metrics endpoint
     metrics_host: str = "127.0.0.1"

@@ -17,7 +17,7 @@ from client.page import PageHeader
 from kvstore.errors import CapacityExhausted
 from kvstore.events import EventKind, EventLog
 from kvstore.index import Index, PageEntry
-from kvstore.keys import Tier
+from kvstore.keys import IoClass, Tier
 from kvstore.metrics import StoreCounters, TierGauge
 from kvstore.policy import SsdAdmission
 from kvstore.tiers.dram import DramTier
@@ -127,12 +127,15 @@ class Tiers:
             if dst is not None:
                 self.gpu.read_into(offset, entry.payload_bytes, self.dram.view(dst, entry.payload_bytes))
                 self.index.set_residency(entry.key, Tier.DRAM, dst)
-                self._move_event(entry, Tier.GPU, Tier.DRAM, demotion=True)
             elif not entry.ssd:
                 self.drop(entry, reason_tier=Tier.GPU, count_eviction=False)
                 return
         self.index.set_residency(entry.key, Tier.GPU, None)
         self.gpu.free(offset)
+        # Its fastest copy is now the DRAM one (new, or kept from an earlier read) or the SSD one.
+        lower = entry.fastest
+        assert lower is not None
+        self._move_event(entry, Tier.GPU, lower, demotion=True)
 
     def demote_dram(self, entry: PageEntry) -> None:
         """Make a page leave DRAM: write it to SSD first if admitted, else drop it. Mutates."""
@@ -150,13 +153,15 @@ class Tiers:
                     log.debug("page not demoted to SSD: %s", exc)
                     self.drop(entry, reason_tier=Tier.DRAM, count_eviction=False)
                     return
+                self.counters.add_bytes("ssd", "in", IoClass.BACKGROUND, entry.payload_bytes)
                 self.index.set_residency(entry.key, Tier.SSD, True)
-                self._move_event(entry, Tier.DRAM, Tier.SSD, demotion=True)
             else:
                 self.drop(entry, reason_tier=Tier.DRAM, count_eviction=False)
                 return
         self.index.set_residency(entry.key, Tier.DRAM, None)
         self.dram.free(offset)
+        if entry.gpu is None:  # its fastest copy is now the SSD one (written now or earlier)
+            self._move_event(entry, Tier.DRAM, Tier.SSD, demotion=True)
 
     # ---- promotion --------------------------------------------------------------------------
 
@@ -174,17 +179,18 @@ class Tiers:
             return False
         view = self.dram.view(dst, entry.payload_bytes)
         if payload is None:
+            # A DRAM copy of a GPU page, to serve it from: the page stays in the faster tier, so
+            # this is no promotion and its fastest tier (what watchers track) does not change.
             assert self.gpu is not None and entry.gpu is not None
             self.gpu.read_into(entry.gpu, entry.payload_bytes, view)
-            src = Tier.GPU
-        else:
-            view[:] = payload
-            src = Tier.SSD
+            self.index.set_residency(entry.key, Tier.DRAM, dst)
+            return True
+        view[:] = payload
         self.index.set_residency(entry.key, Tier.DRAM, dst)
         with self.counters.lock:
-            self.counters.promotions[(src, Tier.DRAM)] += 1
+            self.counters.promotions[(Tier.SSD, Tier.DRAM)] += 1
         self.events.publish(
-            EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, src, Tier.DRAM
+            EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, Tier.SSD, Tier.DRAM
         )
         return True
 
@@ -197,16 +203,19 @@ class Tiers:
         offset = entry.dram
         self.index.set_residency(entry.key, Tier.DRAM, None)
         self.dram.free(offset)
+        self._place_event(entry, Tier.GPU)
 
-    def move_to_ssd(self, entry: PageEntry) -> None:
+    def move_to_ssd(self, entry: PageEntry, io_class: IoClass = IoClass.BACKGROUND) -> None:
         """Write a DRAM page to SSD and release its DRAM copy. Mutates; may raise."""
         assert self.ssd is not None and entry.dram is not None
         self.make_room_ssd(entry.payload_bytes + len(entry.header))
         self.ssd.write(PageHeader.decode(entry.header), self.dram.view(entry.dram, entry.payload_bytes))
+        self.counters.add_bytes("ssd", "in", io_class, entry.payload_bytes)
         self.index.set_residency(entry.key, Tier.SSD, True)
         offset = entry.dram
         self.index.set_residency(entry.key, Tier.DRAM, None)
         self.dram.free(offset)
+        self._place_event(entry, Tier.SSD)
 
     # ---- removal ----------------------------------------------------------------------------
 
@@ -259,6 +268,12 @@ class Tiers:
     def _bump(self, table: dict[Tier, int], tier: Tier) -> None:
         with self.counters.lock:
             table[tier] += 1
+
+    def _place_event(self, entry: PageEntry, dst: Tier) -> None:
+        """A just-stored page was placed in `dst` as its writer asked: moved, not demoted."""
+        self.events.publish(
+            EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, Tier.DRAM, dst
+        )
 
     def _move_event(self, entry: PageEntry, src: Tier, dst: Tier, *, demotion: bool) -> None:
         with self.counters.lock:

@@ -175,11 +175,9 @@ class Mover:
             with self._lock:
                 if ok and self._tiers.index.get(key) is entry:
                     self._tiers.index.set_residency(key, Tier.SSD, True)
-                    if clear_dram:
-                        with self._tiers.counters.lock:
-                            self._tiers.counters.demotions[(Tier.DRAM, Tier.SSD)] += 1
                 self._unpin(key)
                 if ok and clear_dram and self._tiers.index.get(key) is entry and entry.leases == 0 \
                         and entry.dram is not None:
-                    self._tiers.demote_dram(entry)  # already on SSD: just frees the DRAM copy
+                    # already on SSD: frees the DRAM copy, counts the demotion, tells watchers
+                    self._tiers.demote_dram(entry)
         return ok

@@ -1,4 +1,4 @@
-"""The daemon process: gRPC server (TCP + unix socket), health, metrics endpoint, lifecycle.
+"""The daemon process: gRPC server (TCP), same-host lane (unix socket), health, metrics, lifecycle.
 
 `create_server(config, store)` builds and binds a gRPC server (tests bind port 0) and returns it
 with its port; `Daemon` owns a Store plus that server and the Prometheus endpoint, and is what
@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,16 @@ def create_server(
     return server, port, health_servicer, service
 
 
+def _probe_port(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise Unavailable(f"cannot listen on {host}:{port}: {exc.strerror} (another daemon?)") from None
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonInfo:
     address: str
@@ -99,8 +110,12 @@ class Daemon:
         self._lane: LaneServer | None = None
 
     def start(self) -> DaemonInfo:
+        """Open the store, bind and start serving. Raises Unavailable (port in use, ...)."""
         cfg = self.config
         cfg.data_path.mkdir(parents=True, exist_ok=True)
+        if cfg.server.port:
+            # fail before touching the shared-memory segment a running daemon may own
+            _probe_port(cfg.server.host, cfg.server.port)
         store = Store(cfg)
         self.store = store
         try:

@@ -9,10 +9,19 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
+from client._wire import (
+    TAG_GET_CHUNK,
+    TAG_PUT_CHUNK,
+    ChunkView,
+    chunk_message,
+    decode_chunk_message,
+    raw_bytes,
+)
 from client.errors import (
     CapacityExhausted,
     Corrupt,
@@ -46,7 +55,7 @@ Resp = TypeVar("Resp")
 class NodeIdentity:
     node_id: str
     host_id: str
-    local_address: str  # "unix:/path" or ""
+    local_address: str  # "lane:/path" (the same-host lane) or ""
 
 
 def _abort(context: grpc.ServicerContext, exc: StrataError) -> None:
@@ -115,6 +124,33 @@ def _digest(value: bytes) -> bytes:
     return value
 
 
+_M = TypeVar("_M")
+
+
+def _pb_chunk(index: int, header: bytes, offset: int, data: memoryview) -> store_pb2.GetResponse:
+    return store_pb2.GetResponse(
+        chunk=store_pb2.PageChunk(index=index, header=header, offset=offset, data=data.tobytes())
+    )
+
+
+def _pb_missing(index: int) -> store_pb2.GetResponse:
+    return store_pb2.GetResponse(missing=index)
+
+
+def _raw_chunk(index: int, header: bytes, offset: int, data: memoryview) -> bytes:
+    return chunk_message(TAG_GET_CHUNK, index, header, offset, data)
+
+
+def _raw_missing(index: int) -> bytes:
+    return store_pb2.GetResponse(missing=index).SerializeToString()
+
+
+def _put_request(raw: bytes) -> store_pb2.PutRequest | ChunkView:
+    """A PutRequest's chunk decoded in place (its data a view of `raw`), else the message."""
+    chunk = decode_chunk_message(raw, TAG_PUT_CHUNK)
+    return chunk if chunk is not None else store_pb2.PutRequest.FromString(raw)
+
+
 class StoreService(store_pb2_grpc.StoreServicer):
     """gRPC face of one Store."""
 
@@ -168,10 +204,14 @@ class StoreService(store_pb2_grpc.StoreServicer):
 
     @unary
     def Put(
-        self, request_iterator: Iterator[store_pb2.PutRequest], context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[store_pb2.PutRequest | ChunkView],
+        context: grpc.ServicerContext,
     ) -> store_pb2.PutResponse:
+        """Messages are generated PutRequests, or, registered by `add_to_server`, ChunkViews
+        for the chunks (decoded in place) and PutRequests for anything else."""
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("part") != "begin":
+        if not isinstance(first, store_pb2.PutRequest) or first.WhichOneof("part") != "begin":
             raise InvalidArgument("a put stream must start with PutBegin")
         begin = first.begin
         scope = self.store.scope_of(begin.scope)
@@ -185,9 +225,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
         writer = _PutWriter(self.store, scope.encode(), io_class, tier)
         try:
             for message in request_iterator:
-                if message.WhichOneof("part") != "chunk":
+                if isinstance(message, ChunkView):
+                    writer.chunk(message)
+                elif message.WhichOneof("part") == "chunk":
+                    writer.chunk(message.chunk)
+                else:
                     raise InvalidArgument("PutBegin may only be the first message")
-                writer.chunk(message.chunk)
             statuses = writer.finish(begin.page_count)
         except BaseException:
             writer.abort()
@@ -198,26 +241,38 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Get(
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.GetResponse]:
+        yield from self._get_stream(request, _pb_chunk, _pb_missing)
+
+    @streaming
+    def GetMessages(self, request: store_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Get as serialized GetResponses (what `add_to_server` registers): each chunk's data is
+        copied once, from the DRAM tier into the message."""
+        yield from self._get_stream(request, _raw_chunk, _raw_missing)
+
+    def _get_stream(
+        self,
+        request: store_pb2.GetRequest,
+        chunk: Callable[[int, bytes, int, memoryview], _M],
+        missing: Callable[[int], _M],
+    ) -> Iterator[_M]:
         keys = unpack_keys(request.keys)
         io_class = _io_class(request.io_class)
         chunk_bytes = self.store.config.limits.chunk_bytes
         acq = self.store.acquire(_digest(request.scope_digest), keys, io_class)
         try:
             dram = self.store.tiers.dram
+            admit = self.store.scheduler.admit
             sent = 0
             for i, page in enumerate(acq.pages):
                 if page is None:
-                    yield store_pb2.GetResponse(missing=i)
+                    yield missing(i)
                     continue
                 view = dram.view(page.offset, page.length)
                 for off in range(0, max(page.length, 1), chunk_bytes):
-                    with self.store.scheduler.admit(io_class, min(chunk_bytes, page.length - off)):
-                        data = bytes(view[off : off + chunk_bytes])
-                    yield store_pb2.GetResponse(
-                        chunk=store_pb2.PageChunk(
-                            index=i, header=page.header if off == 0 else b"", offset=off, data=data
-                        )
-                    )
+                    part = view[off : off + chunk_bytes]
+                    with admit(io_class, part.nbytes):
+                        message = chunk(i, page.header if off == 0 else b"", off, part)
+                    yield message
                 sent += page.length
             self.store.counters.add_bytes("grpc", "out", io_class, sent)
         finally:
@@ -231,7 +286,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReserveResponse:
         scope = self.store.scope_of(request.scope)
-        res = self.store.reserve(scope, list(request.headers), request.lease_ms)
+        res = self.store.reserve(
+            scope, list(request.headers), request.lease_ms, _io_class(request.io_class)
+        )
         return store_pb2.ReserveResponse(
             lease_id=res.lease_id,
             slots=[
@@ -365,7 +422,7 @@ class _PutWriter:
         self._view: memoryview | None = None
         self._received = 0
 
-    def chunk(self, chunk: store_pb2.PageChunk) -> None:
+    def chunk(self, chunk: store_pb2.PageChunk | ChunkView) -> None:
         if chunk.index != self._index:
             self._end_page()
             if chunk.index != self._index + 1:
@@ -386,7 +443,7 @@ class _PutWriter:
                 self._view[chunk.offset : chunk.offset + len(data)] = data
         self._received += len(data)
 
-    def _begin_page(self, chunk: store_pb2.PageChunk) -> None:
+    def _begin_page(self, chunk: store_pb2.PageChunk | ChunkView) -> None:
         if not chunk.header:
             raise InvalidArgument(f"page {chunk.index}: the first chunk must carry the header")
         res = self._store.reserve(self._scope, [chunk.header], self._store.config.limits.max_lease_ttl_ms)
@@ -437,3 +494,45 @@ class _PutWriter:
         if self._lease:
             self._store.abort(self._lease)
             self._lease = 0
+
+
+def add_to_server(service: StoreService, server: grpc.Server) -> None:
+    """Register `service` on `server`: `store_pb2_grpc.add_StoreServicer_to_server`, except
+    that the bulk messages of Put and Get skip the generated classes (decoded in place and
+    encoded by hand, see client/_wire.py). The bytes on the wire are the same protobuf."""
+    pb = store_pb2
+    unary_methods: list[tuple[str, Callable[..., object], type[Message], type[Message]]] = [
+        ("NodeInfo", service.NodeInfo, pb.NodeInfoRequest, pb.NodeInfoResponse),
+        ("Lookup", service.Lookup, pb.LookupRequest, pb.LookupResponse),
+        ("Reserve", service.Reserve, pb.ReserveRequest, pb.ReserveResponse),
+        ("Commit", service.Commit, pb.CommitRequest, pb.CommitResponse),
+        ("Acquire", service.Acquire, pb.AcquireRequest, pb.AcquireResponse),
+        ("Release", service.Release, pb.ReleaseRequest, pb.ReleaseResponse),
+        ("Renew", service.Renew, pb.RenewRequest, pb.RenewResponse),
+        ("Delete", service.Delete, pb.DeleteRequest, pb.DeleteResponse),
+        ("Stats", service.Stats, pb.StatsRequest, pb.StatsResponse),
+    ]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        name: grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+        for name, fn, req, resp in unary_methods
+    }
+    handlers["Put"] = grpc.stream_unary_rpc_method_handler(
+        service.Put,
+        request_deserializer=_put_request,
+        response_serializer=pb.PutResponse.SerializeToString,
+    )
+    handlers["Get"] = grpc.unary_stream_rpc_method_handler(
+        service.GetMessages,
+        request_deserializer=pb.GetRequest.FromString,
+        response_serializer=raw_bytes,
+    )
+    handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
+        service.Watch,
+        request_deserializer=pb.WatchRequest.FromString,
+        response_serializer=pb.Event.SerializeToString,
+    )
+    name = pb.DESCRIPTOR.services_by_name["Store"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

@@ -143,6 +143,7 @@ class Store:
             self.index, dram, ssd, gpu, make_admission(config.ssd.admission), self.counters, self.events
         )
         self._pending: dict[int, list[_Pending | None]] = {}
+        self._pending_class: dict[int, IoClass] = {}  # I/O class each reservation was made in
         self._pending_keys: set[bytes] = set()
         self._doomed: set[bytes] = set()
         self._scopes: OrderedDict[bytes, Scope] = OrderedDict()
@@ -277,7 +278,10 @@ class Store:
                 need += header.payload_bytes
         return PutPlan(scope, tuple(headers), tuple(new), need)
 
-    def reserve(self, scope: Scope, raw_headers: Sequence[bytes], lease_ms: int = 0) -> Reservation:
+    def reserve(
+        self, scope: Scope, raw_headers: Sequence[bytes], lease_ms: int = 0,
+        io_class: IoClass = IoClass.NORMAL,
+    ) -> Reservation:
         """Reserve DRAM slots for the new pages among `raw_headers`. Mutates; takes a RESERVE lease.
 
         Evicts (demotes) unleased pages as needed. Raises InvalidArgument (see plan_put) or
@@ -302,6 +306,7 @@ class Store:
             keys = tuple(p.header.key for p in granted if p is not None)
             lease = self.leases.grant(LeaseKind.RESERVE, keys, self._ttl_s(lease_ms))
             self._pending[lease.lease_id] = granted
+            self._pending_class[lease.lease_id] = io_class
             self._pending_keys.update(keys)
         slots = tuple(
             SlotGrant(True, p.offset, p.header.payload_bytes) if p is not None else SlotGrant(False, 0, 0)
@@ -310,7 +315,7 @@ class Store:
         return Reservation(lease.lease_id, slots, self._unix_ms(lease))
 
     def commit(
-        self, lease_id: int, tier: Tier | None = None, io_class: IoClass = IoClass.NORMAL,
+        self, lease_id: int, tier: Tier | None = None, io_class: IoClass | None = None,
         path: str = "shm",
     ) -> int:
         """Make a reservation's pages visible. Mutates; ends the lease. Returns pages stored.
@@ -326,6 +331,8 @@ class Store:
                 raise LeaseExpired(f"lease {lease_id} is not a write reservation")
             self.leases.release(lease_id)
             granted = self._pending.pop(lease_id, None)
+            reserved_class = self._pending_class.pop(lease_id, IoClass.NORMAL)
+            io_class = io_class or reserved_class
             if granted is None:
                 raise LeaseExpired(f"lease {lease_id} is not a write reservation")
             stored = 0
@@ -496,6 +503,7 @@ class Store:
 
     def _end_lease(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.RESERVE:
+            self._pending_class.pop(lease.lease_id, None)
             for pending in self._pending.pop(lease.lease_id, []):
                 if pending is not None:
                     self._pending_keys.discard(pending.header.key)

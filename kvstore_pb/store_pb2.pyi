@@ -228,7 +228,7 @@ class NodeInfoResponse(_message.Message):
     api_version: _builtins.int
     server_version: _builtins.str
     local_address: _builtins.str
-    """unix-socket address for same-host control traffic, if any"""
+    """"lane:/path": the same-host control lane (unix socket), if any"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierInfo]: ...
     @_builtins.property
