@@ -140,7 +140,7 @@ class PageHeader:
         if dtype is None:
             raise Corrupt(f"unknown dtype code {code}")
         layout = _layout(layers, heads, head_dim, page_tokens)
-        tokens = struct.unpack_from(f"<{token_count}I", view, HEADER_FIXED_BYTES)
+        tokens = _tokens_struct(token_count).unpack_from(view, HEADER_FIXED_BYTES)
         raw = bytes(view[:header_bytes]) if isinstance(data, memoryview) or len(view) != header_bytes else data
         header = cls(
             scope_digest=bytes(scope_digest),
@@ -185,11 +185,29 @@ class PageHeader:
             raise InvalidArgument(
                 f"payload is {self.payload_bytes} bytes; scope layout needs {scope.page_payload_bytes}"
             )
-        if len(self.key) != KEY_BYTES or chain_key(self.parent, self.tokens) != self.key:
+        if len(self.key) != KEY_BYTES or self._chain_key() != self.key:
             raise InvalidArgument("page key is not chain_key(parent, tokens)")
+
+    def _chain_key(self) -> bytes:
+        raw = self._raw
+        if raw and len(self.parent) == KEY_BYTES:  # the token bytes are already little-endian u32
+            return xxhash.xxh3_128_digest(
+                self.parent + raw[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + 4 * len(self.tokens)]
+            )
+        return chain_key(self.parent, self.tokens)
 
 
 _LAYOUTS: dict[tuple[int, int, int, int], KVLayout] = {}
+_TOKEN_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def _tokens_struct(count: int) -> struct.Struct:
+    found = _TOKEN_STRUCTS.get(count)
+    if found is None:
+        found = struct.Struct(f"<{count}I")
+        if len(_TOKEN_STRUCTS) < 1024:
+            _TOKEN_STRUCTS[count] = found
+    return found
 
 
 def _layout(layers: int, heads: int, head_dim: int, page_tokens: int) -> KVLayout:

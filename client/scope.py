@@ -253,9 +253,9 @@ def page_keys(scope: Scope, token_ids: Sequence[int]) -> list[bytes]:
 
 def pack_keys(keys: Sequence[bytes]) -> bytes:
     """Concatenate 16-byte keys for the wire; raises InvalidArgument on a key of the wrong size."""
-    for key in keys:
-        if len(key) != KEY_BYTES:
-            raise InvalidArgument(f"page keys are {KEY_BYTES} bytes, got one of {len(key)}")
+    if set(map(len, keys)) - {KEY_BYTES}:
+        bad = next(len(k) for k in keys if len(k) != KEY_BYTES)
+        raise InvalidArgument(f"page keys are {KEY_BYTES} bytes, got one of {bad}")
     return b"".join(keys)
 
 

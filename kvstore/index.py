@@ -271,6 +271,8 @@ class Index:
         entry.hits += 1
         self._tick += 1
         entry.last_access = self._tick
+        if entry.leases:  # a pinned page is in no eviction list; unpin files it as fresh
+            return
         for t in entry.tiers:
             self._refile(entry, t, fresh=True)
 
@@ -315,7 +317,11 @@ class Index:
         """Put `entry` in the list its state calls for; `fresh` = it was just used (new stamp)."""
         segments = self._order[tier]
         key = entry.key
-        current = next((i for i, s in enumerate(segments) if key in s), None)
+        current = None
+        for i, members in enumerate(segments):
+            if key in members:
+                current = i
+                break
         want = self._segment(entry, tier)
         if current == want and not fresh:
             return
