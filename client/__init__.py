@@ -6,6 +6,7 @@ Engines import only what this module exports (DESIGN §2).
 from __future__ import annotations
 
 from client.async_client import AsyncStoreClient
+from client.cluster_client import ClusterClient, ClusterStats, NodeStats
 from client.errors import (
     CapacityExhausted,
     Corrupt,
@@ -42,6 +43,8 @@ __all__ = [
     "KEY_BYTES",
     "AsyncStoreClient",
     "CapacityExhausted",
+    "ClusterClient",
+    "ClusterStats",
     "Corrupt",
     "DeadlineExceeded",
     "Event",
@@ -54,6 +57,7 @@ __all__ = [
     "Limits",
     "LookupResult",
     "NodeInfo",
+    "NodeStats",
     "Page",
     "PageHeader",
     "PutResult",

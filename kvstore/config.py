@@ -128,6 +128,20 @@ class IoConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    # Comma-separated etcd client URLs ("" = a single node, no cluster membership).
+    etcd_endpoints: str = ""
+    name: str = "default"  # members register under /strata/<name>/members/<node_id>
+    lease_ttl_s: int = 10  # a dead daemon leaves the member set within about this long
+    advertise_address: str = ""  # "" = server.host:<bound port>
+    etcd_timeout_ms: int = 2000
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.etcd_endpoints.strip())
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     data_dir: str = ""  # "" = the per-user cache folder
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -136,6 +150,7 @@ class StoreConfig:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     io: IoConfig = field(default_factory=IoConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     @property
     def data_path(self) -> Path:
@@ -177,6 +192,11 @@ class StoreConfig:
             raise InvalidArgument("limits.max_message_bytes must exceed limits.chunk_bytes + 64KiB")
         if self.io.concurrency <= 0:
             raise InvalidArgument("io.concurrency must be positive")
+        if self.cluster.enabled:
+            if not self.cluster.name or "/" in self.cluster.name:
+                raise InvalidArgument("cluster.name must be non-empty and contain no '/'")
+            if self.cluster.lease_ttl_s < 1 or self.cluster.etcd_timeout_ms <= 0:
+                raise InvalidArgument("cluster.lease_ttl_s and cluster.etcd_timeout_ms must be positive")
         return self
 
 

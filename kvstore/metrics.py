@@ -134,9 +134,27 @@ def _per_tier(name: str, doc: str, data: dict[Tier, int]) -> CounterMetricFamily
     return fam
 
 
-def make_registry(collector: StoreCollector) -> CollectorRegistry:
+class MembershipCollector:
+    """`strata_cluster_membership_stale`: 1 while the daemon cannot confirm its etcd membership."""
+
+    def __init__(self, stale: Callable[[], bool]) -> None:
+        self._stale = stale
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "strata_cluster_membership_stale",
+            "1 while etcd is unreachable and the member record may be out of date",
+            value=1 if self._stale() else 0,
+        )
+
+
+def make_registry(
+    collector: StoreCollector, membership: MembershipCollector | None = None
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    if membership is not None:
+        registry.register(membership)
     return registry
 
 

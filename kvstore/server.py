@@ -22,10 +22,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from client.hostid import host_id
 from client.lane_protocol import SCHEME
+from client.membership import Member, TierCapacity
+from kvstore.cluster import Registration
 from kvstore.config import StoreConfig, format_size
 from kvstore.errors import Unavailable
 from kvstore.lane import LaneServer
-from kvstore.metrics import StoreCollector, make_registry, serve_metrics
+from kvstore.metrics import (
+    TIER_NAMES,
+    MembershipCollector,
+    StoreCollector,
+    make_registry,
+    serve_metrics,
+)
 from kvstore.service import NodeIdentity, StoreService
 from kvstore.store import Store
 from kvstore_pb import store_pb2_grpc
@@ -108,6 +116,7 @@ class Daemon:
         self._stop_metrics: Callable[[], None] | None = None
         self.info: DaemonInfo | None = None
         self._lane: LaneServer | None = None
+        self.registration: Registration | None = None
 
     def start(self) -> DaemonInfo:
         """Open the store, bind and start serving. Raises Unavailable (port in use, ...)."""
@@ -138,6 +147,11 @@ class Daemon:
                     service.node = dataclasses.replace(service.node, local_address="")
             self.server = server
             self._health = health_servicer
+            if cfg.cluster.enabled:
+                self.registration = Registration(
+                    cfg.cluster, self._member(service.node.node_id, port, service.node.host_id)
+                )
+            registration = self.registration
             metrics_url = ""
             if cfg.server.metrics_port >= 0:
                 registry = make_registry(
@@ -146,7 +160,8 @@ class Daemon:
                         lambda: store.tiers.gauges(),
                         store.scheduler.queue_depths,
                         lambda: len(store.leases),
-                    )
+                    ),
+                    MembershipCollector(lambda: registration.stale) if registration else None,
                 )
                 self._stop_metrics, mport = serve_metrics(
                     registry, cfg.server.metrics_host, cfg.server.metrics_port
@@ -155,6 +170,8 @@ class Daemon:
             server.start()
             health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+            if registration is not None:
+                registration.start()  # after serving: members listed in etcd answer
         except BaseException:
             self.stop()
             raise
@@ -173,6 +190,15 @@ class Daemon:
         )
         return self.info
 
+    def _member(self, node_id: str, port: int, host: str) -> Member:
+        assert self.store is not None
+        cfg = self.config
+        address = cfg.cluster.advertise_address or f"{cfg.server.host}:{port}"
+        tiers = tuple(
+            TierCapacity(TIER_NAMES[g.tier], g.capacity_bytes) for g in self.store.tiers.gauges()
+        )
+        return Member(node_id=node_id, address=address, host_id=host, tiers=tiers)
+
     def describe_tiers(self) -> str:
         assert self.store is not None
         parts = []
@@ -184,7 +210,11 @@ class Daemon:
         return ", ".join(parts)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Stop serving (finishing in-flight calls for up to grace_s) and close the store."""
+        """Leave the cluster, stop serving (finishing in-flight calls for up to grace_s) and
+        close the store."""
+        if self.registration is not None:
+            self.registration.stop()  # first, so clients stop sending here
+            self.registration = None
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         if self._lane is not None:

@@ -14,7 +14,11 @@ USAGE = """usage: strata <command> [args]
 commands:
   serve              run the store daemon (DRAM + SSD tiers under ~/.cache/strata by default)
   bench store        store put/get/lookup benchmark vs memcpy (same-host and remote paths)
+  bench cluster      cluster put/get throughput and lookup latency, 1 node vs N nodes
   model init PATH    write a random-weight checkpoint (--preset tiny|small)
+  prefill            run a prefill worker (--model PATH --store ADDR [--port N])
+  decode             run a decode worker (--model PATH --store ADDR [--port N])
+  colocated          run a co-located prefill+decode worker (--model PATH [--store ADDR])
 
 `strata <command> --help` shows each command's options.
 """
@@ -28,14 +32,18 @@ def _serve(argv: Sequence[str]) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: strata bench store [--help]")
+        print("usage: strata bench store|cluster [--help]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "store":
         from loadtests.bench_store import main
 
         return main(rest)
-    print(f"strata bench: unknown benchmark {what!r} (known: store)", file=sys.stderr)
+    if what == "cluster":
+        from loadtests.bench_cluster import main as cluster_main
+
+        return cluster_main(rest)
+    print(f"strata bench: unknown benchmark {what!r} (known: store, cluster)", file=sys.stderr)
     return 2
 
 
@@ -45,10 +53,22 @@ def _model(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _worker(role: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        from engine.cli_engine import main
+
+        return main(role, argv)
+
+    return run
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": _serve,
     "bench": _bench,
     "model": _model,
+    "prefill": _worker("prefill"),
+    "decode": _worker("decode"),
+    "colocated": _worker("colocated"),
 }
 
 
