@@ -196,6 +196,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
             "server.workers": "8",
             "data_dir": str(data),
             "dram.capacity_bytes": dram,
+            "server.ucx": "false",  # remote clients stream over gRPC; UCX suites turn it on
         }
         if ssd is None:
             values["ssd.enabled"] = "false"
@@ -267,3 +268,16 @@ def pages(scope: Scope) -> Callable[..., list[Page]]:
         return chain(scope, count, seed=seed) if chained else singles(scope, count, seed=seed)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight checkpoint folder (engine.presets, seed 0), written once a session.
+
+    Its lm_head is untied from the embeddings: the tied tiny model's greedy output collapses to
+    repeating one token, which would make "same tokens as the reference" a weak check."""
+    from engine.presets import init_checkpoint  # torch: only for the suites that use it
+
+    path = tmp_path_factory.mktemp("tiny-checkpoint")
+    init_checkpoint(path, "tiny", seed=0, tie_word_embeddings=False)
+    return path

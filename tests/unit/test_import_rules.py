@@ -4,7 +4,9 @@
   generated *_pb2_grpc stubs.
 - Inside kvstore/, only the GPU tier (kvstore/tiers/gpu.py) imports torch.
 - engine/ imports from `client` only the names in `client.__all__`: never a submodule
-  (`from client.scope import ...`), and never kvstore_pb directly.
+  (`from client.scope import ...`), and never the store's wire code (kvstore_pb) directly; its
+  own wire contract, kvstore_pb.engine_pb2 and engine_pb2_grpc (the workers' gRPC edge), is
+  the one exception.
 - client/ never imports torch, triton or numpy.
 
 The checker reads source with `ast` (nothing is imported), so it sees imports inside functions
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.unit
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 GRPC_ALLOWED = ("kvstore.service", "kvstore.server", "kvstore.lane", "kvstore.cli")
+ENGINE_WIRE = ("kvstore_pb.engine_pb2", "kvstore_pb.engine_pb2_grpc")
 TORCH_ALLOWED = ("kvstore.tiers.gpu",)
 CLIENT_FORBIDDEN = ("torch", "triton", "numpy")
 
@@ -108,6 +111,15 @@ def imports_of(root: Path, path: Path) -> list[Import]:
 def _candidates(imp: Import) -> list[str]:
     """The modules an import may load: the module itself and `module.name` for from-imports."""
     return [imp.module, *(f"{imp.module}.{n}" for n in imp.names if n != "*")]
+
+
+def _engine_wire_only(imp: Import) -> bool:
+    """The import loads the engine's own generated wire modules and nothing else of kvstore_pb."""
+    if imp.module in ENGINE_WIRE:
+        return True
+    return imp.module == "kvstore_pb" and bool(imp.names) and all(
+        f"kvstore_pb.{n}" in ENGINE_WIRE for n in imp.names
+    )
 
 
 def _is_grpc(module: str) -> bool:
@@ -209,7 +221,7 @@ def check_tree(root: Path) -> list[Violation]:
         if imports is None:
             continue
         for imp in imports:
-            if _top(imp.module) == "kvstore_pb":
+            if _top(imp.module) == "kvstore_pb" and not _engine_wire_only(imp):
                 report(
                     path,
                     imp.line,
@@ -302,6 +314,9 @@ SYNTHETIC: dict[str, str] = {
         "import torch\nimport client\nfrom client import Scope, page_keys\nfrom client import *\n"
         "x = client.KVLayout\n"
     ),
+    "engine/edge.py": (
+        "from kvstore_pb import engine_pb2, engine_pb2_grpc\nimport kvstore_pb.engine_pb2_grpc\n"
+    ),
 }
 
 VIOLATIONS: dict[str, tuple[str, str]] = {
@@ -331,6 +346,8 @@ VIOLATIONS: dict[str, tuple[str, str]] = {
     "engine/c.py": ("import client.page  # <-\n", "engine-client"),
     "engine/d.py": ("import client as c\nk = c.pack_keys  # <-\n", "engine-client"),
     "engine/e.py": ("from kvstore_pb import store_pb2  # <-\n", "engine-client"),
+    "engine/f.py": ("from kvstore_pb import engine_pb2, store_pb2_grpc  # <-\n", "engine-client"),
+    "engine/g.py": ("import kvstore_pb  # <-\n", "engine-client"),
     "engine/sub/__init__.py": ("from client.errors import Corrupt  # <-\n", "engine-client"),
 }
 

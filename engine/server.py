@@ -1,0 +1,245 @@
+"""The gRPC edge of the engine workers: servicers, `create_server`, and `EngineServer`.
+
+The servicers only convert messages (`engine.wire`) and map errors to status codes:
+InvalidRequest → INVALID_ARGUMENT, EngineStopping → UNAVAILABLE, EngineBusy →
+RESOURCE_EXHAUSTED, anything else → INTERNAL (logged). A decode stream whose caller goes away
+is cancelled in the worker, freeing its pages.
+
+`EngineServer(config)` loads the model, connects the store client, builds the worker of
+`config.role` and serves it; `stop()` is what SIGTERM runs: stop accepting, let in-flight work
+finish (bounded by `drain_timeout_s`), finish publishing, close.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from client import StoreClient, StrataError
+from engine.colocated import ColocatedWorker
+from engine.decode import DecodeWorker
+from engine.errors import EngineBusy, EngineStopping, InvalidRequest
+from engine.prefill import PrefillWorker
+from engine.runtime import ModelRuntime
+from engine.store_link import PageStore
+from engine.wire import (
+    decode_request_from_proto,
+    prefill_response,
+    sampling_from_proto,
+    token_event_to_proto,
+)
+from engine.worker_config import WorkerConfig
+from kvstore_pb import engine_pb2 as pb
+from kvstore_pb import engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PREFILL_SERVICE = "strata.engine.v1.Prefill"
+DECODE_SERVICE = "strata.engine.v1.Decode"
+
+Worker = PrefillWorker | DecodeWorker | ColocatedWorker
+
+_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (EngineStopping, grpc.StatusCode.UNAVAILABLE),
+    (EngineBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    """End the call with the status code of `exc` (raises, as context.abort does)."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            context.abort(code, str(exc))
+    log.exception("request failed", exc_info=exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class PrefillServicer(engine_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.ServicerContext
+    ) -> pb.PrefillResponse:
+        try:
+            result = self.worker.prefill(
+                list(request.token_ids),
+                sampling_from_proto(request.sampling),
+                text=request.prompt_text,
+                namespace=request.namespace,
+                request_id=request.request_id,
+            )
+        except Exception as exc:
+            _abort(context, exc)
+            raise  # unreachable: abort raises
+        return prefill_response(result, with_prompt_ids=bool(request.prompt_text))
+
+
+class DecodeServicer(engine_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: DecodeWorker | ColocatedWorker) -> None:
+        self.worker = worker
+
+    def Decode(
+        self, request: pb.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.TokenEvent]:
+        try:
+            stream = self.worker.submit(decode_request_from_proto(request, self.worker.runtime))
+        except Exception as exc:
+            _abort(context, exc)
+            raise
+        context.add_callback(stream.cancel)
+        try:
+            for event in stream:
+                yield token_event_to_proto(event)
+        except Exception as exc:
+            _abort(context, exc)
+
+
+def create_server(
+    config: WorkerConfig, worker: Worker
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """Build and bind (not start) the gRPC server of `worker` on config.host:bind_port (port 0:
+    any free port). Returns (server, bound port, health servicer). Raises OSError when the
+    address cannot be bound."""
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=config.rpc_threads, thread_name_prefix=f"{config.role}-rpc"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    address = f"{config.host}:{config.bind_port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot listen on {address} (in use?)")
+    if isinstance(worker, PrefillWorker):
+        engine_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+    else:
+        engine_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, port, health_servicer
+
+
+def build_worker(config: WorkerConfig, runtime: ModelRuntime, store: PageStore | None) -> Worker:
+    """The worker of `config.role` over `runtime` and `store`."""
+    if config.role == "prefill":
+        return PrefillWorker(
+            runtime,
+            store,
+            chunk_tokens=config.chunk_tokens,
+            publish_timeout_s=config.publish_timeout_s,
+            store_retry_after_s=config.store_retry_after_s,
+        )
+    common = {
+        "max_batch": config.max_batch,
+        "chunk_tokens": config.chunk_tokens,
+        "kv_capacity_tokens": config.kv_capacity_tokens or None,
+        "max_waiting": config.max_waiting,
+        "store_retry_after_s": config.store_retry_after_s,
+    }
+    if config.role == "decode":
+        return DecodeWorker(runtime, store, **common)  # type: ignore[arg-type]
+    return ColocatedWorker(
+        runtime,
+        store,
+        step_token_budget=config.step_token_budget,
+        **common,  # type: ignore[arg-type]
+    )
+
+
+class EngineServer:
+    """One worker process's server. `start()` returns the bound address once it serves."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        runtime: ModelRuntime | None = None,
+        store: PageStore | None = None,
+    ) -> None:
+        """`runtime` and `store` default to what `config` names (tests pass their own)."""
+        self.config = config
+        self.runtime = runtime or ModelRuntime(
+            config.model,
+            page_tokens=config.page_tokens,
+            max_context=config.max_context or None,
+            device=config.device,
+        )
+        self._own_store: StoreClient | None = None
+        if store is None and config.store:
+            self._own_store = StoreClient(config.store, timeout_s=config.store_timeout_s, retries=1)
+            store = self._own_store
+        self.store = store
+        self.worker = build_worker(config, self.runtime, store)
+        self.server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self.port = 0
+        self._stopped = threading.Event()
+        self._accepting = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> str:
+        """Bind, start serving, report SERVING; returns "host:port". Raises OSError."""
+        if self._own_store is not None:
+            try:
+                node = self._own_store.connect()
+                log.info(
+                    "store %s at %s (%s path)",
+                    node.node_id,
+                    self.config.store,
+                    self._own_store.transport,
+                )
+            except StrataError as exc:
+                log.warning(
+                    "store at %s not reachable yet (%s); computing without it until it is",
+                    self.config.store,
+                    exc,
+                )
+        server, port, health_servicer = create_server(self.config, self.worker)
+        server.start()
+        self.server, self.port, self._health = server, port, health_servicer
+        service = PREFILL_SERVICE if self.config.role == "prefill" else DECODE_SERVICE
+        for name in ("", service):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._accepting = True
+        log.info("%s worker listening at %s", self.config.role, self.address)
+        return self.address
+
+    @property
+    def accepting(self) -> bool:
+        """True from `start()` until `stop()` has made the server refuse new calls."""
+        return self._accepting
+
+    @property
+    def in_flight(self) -> int:
+        return self.worker.in_flight
+
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop accepting (health NOT_SERVING, new calls refused), let in-flight work finish for
+        up to `timeout_s` (default: config.drain_timeout_s), finish publishing, close. True if
+        nothing was cut short. Idempotent."""
+        if self._stopped.is_set():
+            return True
+        self._stopped.set()
+        grace = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        done = self.server.stop(grace) if self.server is not None else None
+        self._accepting = False
+        drained = self.worker.stop(grace)
+        if done is not None:
+            done.wait(grace)
+        if self._own_store is not None:
+            self._own_store.close()
+        log.info("%s worker stopped%s", self.config.role, "" if drained else " (work cut short)")
+        return drained
