@@ -17,6 +17,7 @@ patching and before creating any client; gRPC then cooperates with the gevent hu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ from client._wire import (
     put_statuses_from_proto,
     raw_bytes,
     stats_from_proto,
+    tune_malloc,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
 from client.lane import Lane, LaneStub
@@ -76,14 +78,20 @@ from client.types import (
     Tier,
     WritableBuffer,
 )
+from client.ucx_transport import TransportFailed, UcxLink, UcxTransport
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-Transport = Literal["shm", "grpc"]
+Transport = Literal["shm", "grpc", "ucx"]
 _LOCAL_PROBE_S = 2.0
+
+
+def _node_info(msg: pb.NodeInfoResponse) -> NodeInfo:
+    """`node_info_from_proto` with the UCX address (until client/_wire decodes it itself)."""
+    return dataclasses.replace(node_info_from_proto(msg), ucx_address=msg.ucx_address)
 
 
 class _EventStream(Protocol):
@@ -116,6 +124,10 @@ class StoreClient:
     `shared_memory`: True forces the same-host path (Unavailable if impossible), False forbids
     it, None picks it when the daemon is on this host and its segments map. Connects lazily on
     the first call, or explicitly with `connect()`; `close()` (or leaving a `with` block) ends it.
+
+    `ucx` (remote path only): True requires the UCX data path (Unavailable if ucxx is missing or
+    the daemon has no UCX listener), False never uses it, None uses it when both ends can and
+    otherwise streams over gRPC (said once in the log, also after a UCX transport failure).
     """
 
     def __init__(
@@ -127,6 +139,7 @@ class StoreClient:
         retries: int = 2,
         io_class: IoClass = IoClass.NORMAL,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        ucx: bool | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
             raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
@@ -136,6 +149,7 @@ class StoreClient:
         self._policy = RetryPolicy(retries)
         self._io_class = IoClass(io_class)
         self._max_message_bytes = max_message_bytes
+        self._ucx = UcxLink(ucx, address)
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
         self._closed = False
@@ -161,10 +175,13 @@ class StoreClient:
 
     @property
     def transport(self) -> Transport:
-        """The data path chosen at connect: "shm" or "grpc". StrataError before connecting."""
+        """The data path: "shm", "ucx" or "grpc" (the UCX choice is settled on first ask).
+        StrataError before connecting."""
         conn = self._conn
         if conn is None:
             raise StrataError("not connected yet: call connect() first")
+        if conn.transport == "grpc" and self._ucx_for(conn) is not None:
+            return "ucx"
         return conn.transport
 
     def close(self) -> None:
@@ -180,6 +197,7 @@ class StoreClient:
         for fut in pending:
             with contextlib.suppress(Exception):
                 fut.result(timeout=deadline.remaining_s())
+        self._ucx.close()
         if conn is not None:
             conn.close()
 
@@ -246,6 +264,8 @@ class StoreClient:
             part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]
             if same_host:
                 statuses.extend(self._put_shm(conn, scope, part_pages, part_views, io))
+            elif (ucx := self._ucx_for(conn)) is not None:
+                statuses.extend(self._put_ucx(ucx, conn, scope, part_pages, part_views, io, tier))
             else:
                 statuses.extend(self._put_grpc(conn, scope, part_pages, part_views, io, tier))
         return PutResult(statuses=tuple(statuses))
@@ -286,6 +306,8 @@ class StoreClient:
             )
             if conn.maps:
                 headers.extend(self._get_shm(*part))
+            elif (ucx := self._ucx_for(conn)) is not None:
+                headers.extend(self._get_ucx(ucx, *part))
             else:
                 headers.extend(self._get_grpc(*part))
         return GetResult(headers=tuple(headers))
@@ -336,6 +358,7 @@ class StoreClient:
         io: IoClass,
         tier: Tier | None,
     ) -> tuple[PutStatus, ...]:
+        tune_malloc()
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
         # Messages are built by hand (one copy of each payload), so the call sends them as is.
         put = conn.channel.stream_unary(
@@ -387,6 +410,7 @@ class StoreClient:
         io: IoClass,
         verify: bool,
     ) -> tuple[PageHeader | None, ...]:
+        tune_malloc()
         request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
         # Replies are decoded by hand, straight from the received bytes into `views`.
         get = conn.channel.unary_stream(
@@ -435,7 +459,63 @@ class StoreClient:
         self._count_corrupt(corrupt)
         return headers
 
+    def _put_ucx(
+        self,
+        ucx: UcxTransport,
+        conn: _Connection,
+        scope: Scope,
+        pages: Sequence[Page],
+        views: Sequence[memoryview],
+        io: IoClass,
+        tier: Tier | None,
+    ) -> tuple[PutStatus, ...]:
+        begin = pb.PutBegin(
+            scope=scope.encode(),
+            io_class=io_class_value(io),
+            page_count=len(pages),
+            tier=pb.Tier.ValueType(int(tier) if tier is not None else 0),
+        ).SerializeToString()
+        try:
+            return ucx.put(
+                begin, [p.header.encode() for p in pages], views, timeout_s=self._timeout_s
+            )
+        except TransportFailed as exc:
+            self._ucx.give_up(exc)
+        return self._put_grpc(conn, scope, pages, views, io, tier)
+
+    def _get_ucx(
+        self,
+        ucx: UcxTransport,
+        conn: _Connection,
+        scope: Scope,
+        keys: Sequence[bytes],
+        packed: bytes,
+        views: Sequence[memoryview],
+        io: IoClass,
+        verify: bool,
+    ) -> tuple[PageHeader | None, ...]:
+        request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
+        try:
+            outcome = ucx.get(
+                request.SerializeToString(), scope.digest, keys, views,
+                verify=verify, timeout_s=self._timeout_s,
+            )
+        except TransportFailed as exc:
+            self._ucx.give_up(exc)
+            return self._get_grpc(conn, scope, keys, packed, views, io, verify)
+        self._count_corrupt(outcome.corrupt)
+        return outcome.headers
+
     # ---- plumbing --------------------------------------------------------------------------
+
+    def _ucx_for(self, conn: _Connection) -> UcxTransport | None:
+        """The UCX transport of the remote path of `conn`, or None (use gRPC)."""
+        if conn.maps or self._ucx.mode is False:
+            return None
+        return self._ucx.transport(
+            conn, conn.node.ucx_address or "", timeout_s=self._timeout_s,
+            max_page_bytes=conn.node.limits.max_page_bytes,
+        )
 
     def _ready(self) -> _Connection:
         conn = self._conn
@@ -453,7 +533,7 @@ class StoreClient:
         )
         try:
             stub = StoreStub(channel)
-            node = node_info_from_proto(
+            node = _node_info(
                 self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
             )
             check_node(node)

@@ -95,6 +95,8 @@ class NodeInfo:
     limits: Limits
     segments: tuple[Segment, ...]
     local_address: str  # "unix:/path" for same-host control traffic, or ""
+    # "ucx://host:port" of the UCX data path, "" for none; None: not decoded from the reply
+    ucx_address: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The daemon process: gRPC server (TCP), same-host lane (unix socket), health, metrics, lifecycle.
+"""The daemon process: gRPC server (TCP), same-host lane (unix socket), UCX data path (when ucxx
+is installed), health, metrics, lifecycle.
 
 `create_server(config, store)` builds and binds a gRPC server (tests bind port 0) and returns it
 with its port; `Daemon` owns a Store plus that server and the Prometheus endpoint, and is what
@@ -36,7 +37,8 @@ from kvstore.metrics import (
 )
 from kvstore.service import NodeIdentity, StoreService
 from kvstore.store import Store
-from kvstore_pb import store_pb2_grpc
+from kvstore.ucx_server import UcxServer
+from kvstore_pb import store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +56,22 @@ def grpc_options(config: StoreConfig) -> list[tuple[str, int]]:
     ]
 
 
+class DaemonService(StoreService):
+    """StoreService that also advertises the daemon's UCX listener in NodeInfo."""
+
+    ucx_address = ""
+
+    def NodeInfo(
+        self, request: store_pb2.NodeInfoRequest, context: grpc.ServicerContext
+    ) -> store_pb2.NodeInfoResponse:
+        reply = super().NodeInfo(request, context)
+        reply.ucx_address = self.ucx_address
+        return reply
+
+
 def create_server(
     config: StoreConfig, store: Store, *, local_address: str = ""
-) -> tuple[grpc.Server, int, health.HealthServicer, StoreService]:
+) -> tuple[grpc.Server, int, health.HealthServicer, DaemonService]:
     """Build and bind (not start) the gRPC server for `store`.
 
     Returns (server, bound TCP port, health servicer, store servicer). `local_address` is what
@@ -75,7 +90,7 @@ def create_server(
     if port == 0:
         raise Unavailable(f"cannot listen on {address} (in use?)")
     node_id = config.server.node_id or f"{config.server.host}:{port}"
-    service = StoreService(store, NodeIdentity(node_id, host_id(), local_address))
+    service = DaemonService(store, NodeIdentity(node_id, host_id(), local_address))
     store_pb2_grpc.add_StoreServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -99,6 +114,7 @@ class DaemonInfo:
     local_address: str
     metrics_url: str
     segment_name: str
+    ucx_address: str = ""  # "ucx://host:port", or "" without a UCX listener
 
 
 class Daemon:
@@ -116,6 +132,7 @@ class Daemon:
         self._stop_metrics: Callable[[], None] | None = None
         self.info: DaemonInfo | None = None
         self._lane: LaneServer | None = None
+        self._ucx: UcxServer | None = None
         self.registration: Registration | None = None
 
     def start(self) -> DaemonInfo:
@@ -145,6 +162,8 @@ class Daemon:
                     log.warning("no same-host lane at %s (%s); local clients use gRPC", sock_str, exc)
                     self._lane = None
                     service.node = dataclasses.replace(service.node, local_address="")
+            if cfg.server.ucx:
+                self._start_ucx(store, service)
             self.server = server
             self._health = health_servicer
             if cfg.cluster.enabled:
@@ -182,13 +201,24 @@ class Daemon:
             local_address=local,
             metrics_url=metrics_url,
             segment_name=store.tiers.dram.segment_name,
+            ucx_address=service.ucx_address,
         )
         log.info(
-            "serving on %s (local %s); tiers: %s; %d pages rebuilt from SSD; metrics %s",
-            self.info.address, local or "none", self.describe_tiers(), store.rebuilt_pages,
-            metrics_url or "off",
+            "serving on %s (local %s, ucx %s); tiers: %s; %d pages rebuilt from SSD; metrics %s",
+            self.info.address, local or "none", service.ucx_address or "off",
+            self.describe_tiers(), store.rebuilt_pages, metrics_url or "off",
         )
         return self.info
+
+    def _start_ucx(self, store: Store, service: DaemonService) -> None:
+        """Serve the UCX data path if ucxx is usable here; else remote clients use gRPC."""
+        ucx = UcxServer(store, self.config.server.host, self.config.server.ucx_port)
+        try:
+            service.ucx_address = ucx.start()
+        except Unavailable as exc:
+            log.info("no UCX data path (%s); remote clients use gRPC streams", exc)
+            return
+        self._ucx = ucx
 
     def _member(self, node_id: str, port: int, host: str) -> Member:
         assert self.store is not None
@@ -220,6 +250,9 @@ class Daemon:
         if self._lane is not None:
             self._lane.stop()
             self._lane = None
+        if self._ucx is not None:
+            self._ucx.stop()
+            self._ucx = None
         if self.server is not None:
             self.server.stop(grace_s).wait()
             self.server = None

@@ -223,12 +223,15 @@ class NodeInfoResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
     LOCAL_ADDRESS_FIELD_NUMBER: _builtins.int
+    UCX_ADDRESS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     host_id: _builtins.str
     api_version: _builtins.int
     server_version: _builtins.str
     local_address: _builtins.str
     """"lane:/path": the same-host control lane (unix socket), if any"""
+    ucx_address: _builtins.str
+    """"ucx://host:port": the UCX bulk data listener, if any"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierInfo]: ...
     @_builtins.property
@@ -246,10 +249,11 @@ class NodeInfoResponse(_message.Message):
         limits: Global___Limits | None = ...,
         segments: _abc.Iterable[Global___SharedSegment] | None = ...,
         local_address: _builtins.str = ...,
+        ucx_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_version", b"api_version", "host_id", b"host_id", "limits", b"limits", "local_address", b"local_address", "node_id", b"node_id", "segments", b"segments", "server_version", b"server_version", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_version", b"api_version", "host_id", b"host_id", "limits", b"limits", "local_address", b"local_address", "node_id", b"node_id", "segments", b"segments", "server_version", b"server_version", "tiers", b"tiers", "ucx_address", b"ucx_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

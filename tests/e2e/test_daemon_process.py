@@ -46,7 +46,7 @@ def test_serve_starts_prints_and_serves_both_paths(tmp_path: Path) -> None:
         assert proc.local_address, text
         assert os.path.exists(f"/dev/shm/{proc.segment}")
         with StoreClient(proc.address, shared_memory=True) as shm, \
-                StoreClient(proc.address, shared_memory=False) as rpc:
+                StoreClient(proc.address, shared_memory=False, ucx=False) as rpc:
             shm.connect()
             rpc.connect()
             assert (shm.transport, rpc.transport) == ("shm", "grpc")
@@ -72,7 +72,7 @@ def test_kill_9_then_restart_serves_ssd_pages(tmp_path: Path) -> None:
     proc = DaemonProcess(data, dram="32MiB", ssd="64MiB", extra=["--write-through"]).start()
     try:
         with StoreClient(proc.address, shared_memory=True) as shm, \
-                StoreClient(proc.address, shared_memory=False) as rpc:
+                StoreClient(proc.address, shared_memory=False, ucx=False) as rpc:
             assert shm.put(scope, flushed_wt).stored == 6
             assert rpc.put(scope, flushed_ssd, tier=Tier.SSD).stored == 4
             assert wait_for(lambda: ssd_pages(rpc) == 10, timeout_s=30), rpc.stats()

@@ -1,0 +1,421 @@
+"""The SDK's end of the UCX bulk data path (DESIGN §6; framing in client/ucx_protocol.py).
+
+`UcxTransport` is a blocking facade over ucxx: every call runs as a coroutine on one private
+asyncio loop thread shared by the process, over a small pool of endpoints to one daemon (one
+request at a time per endpoint, so concurrent calls each get their own). Payloads are received
+straight into the caller's buffers and sent straight from the caller's pages, with no copy made
+here. A get verifies each page's header and (when asked) checksum, as the gRPC path does.
+
+`UcxLink` is one StoreClient's choice of this path: used when ucxx imports and the daemon
+advertises a listener that answers; otherwise (or after a transport failure) the client stays
+on gRPC and says so once in the log. `ucxx` is imported lazily, never at module import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, TypeVar
+
+from client.errors import Corrupt, DeadlineExceeded, InvalidArgument, StrataError, Unavailable
+from client.page import PageHeader
+from client.types import PutStatus
+from client.ucx_protocol import (
+    KIND_DONE,
+    KIND_ERROR,
+    KIND_GET,
+    KIND_MANIFEST,
+    KIND_PUT,
+    KIND_WANT,
+    PREAMBLE,
+    ManifestEntry,
+    ProtocolError,
+    decode_error,
+    decode_manifest,
+    encode_put,
+    parse_address,
+    parse_preamble,
+    preamble,
+    prepare_environment,
+    settle,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_MAX_IDLE_ENDPOINTS = 8
+_CONNECT_TIMEOUT_S = 5.0
+_MAX_META_BYTES = 1 << 30
+
+
+class TransportFailed(Unavailable):
+    """The UCX path itself failed (no ucxx, no listener, connection lost): use gRPC instead."""
+
+
+class _RemoteError(Exception):
+    """A typed error the daemon answered; the endpoint is still in step and reusable."""
+
+    def __init__(self, error: StrataError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+# ---- the process's UCX loop ------------------------------------------------------------------
+
+_runtime_lock = threading.Lock()
+_runtime: tuple[ModuleType, asyncio.AbstractEventLoop] | None = None
+
+
+def _ucx_runtime() -> tuple[ModuleType, asyncio.AbstractEventLoop]:
+    """(ucxx, the private loop all transports of this process run on); started on first use.
+    Raises TransportFailed when ucxx cannot be imported."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            prepare_environment()
+            try:
+                ucxx = importlib.import_module("ucxx")
+            except Exception as exc:  # ImportError, or a shared library it needs is missing
+                raise TransportFailed(f"ucxx is not usable: {exc}") from None
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="strata-ucx-client", daemon=True).start()
+            _runtime = (ucxx, loop)
+        return _runtime
+
+
+def ucxx_installed() -> bool:
+    """Whether the ucxx package is there to import (without importing it)."""
+    return importlib.util.find_spec("ucxx") is not None
+
+
+# ---- transport -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GetOutcome:
+    """One get's result: the header of each delivered page (None: a miss) and how many pages
+    were dropped by verification (each also a miss)."""
+
+    headers: tuple[PageHeader | None, ...]
+    corrupt: int
+
+
+class UcxTransport:
+    """Blocking UCX calls to the daemon listening at `address` ("ucx://host:port").
+
+    `open()` connects one endpoint (TransportFailed if it cannot); `get`/`put` raise the typed
+    error the daemon answered, DeadlineExceeded after `timeout_s`, TransportFailed when the
+    connection breaks. Thread-safe. `close()` drops every endpoint.
+    """
+
+    def __init__(self, address: str, *, fallback_host: str = "", max_page_bytes: int = 0) -> None:
+        self.address = address
+        try:
+            self._host, self._port = parse_address(address, fallback_host)
+        except InvalidArgument as exc:
+            raise TransportFailed(str(exc)) from None
+        self._max_page_bytes = max_page_bytes or (1 << 62)
+        self._ucxx, self._loop = _ucx_runtime()
+        self._idle: list[Any] = []  # touched on the loop only
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def open(self, timeout_s: float) -> None:
+        async def probe() -> None:
+            self._idle.append(await self._connect(min(timeout_s, _CONNECT_TIMEOUT_S)))
+
+        self._run(probe(), timeout_s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def drop() -> None:
+            idle, self._idle = self._idle, []
+            for ep in idle:
+                with contextlib.suppress(Exception):
+                    ep.abort()
+
+        with contextlib.suppress(Exception):
+            self._run(drop(), _CONNECT_TIMEOUT_S)
+
+    # ---- calls -----------------------------------------------------------------------------
+
+    def get(
+        self,
+        request: bytes,
+        scope_digest: bytes,
+        keys: Sequence[bytes],
+        into: Sequence[memoryview],
+        *,
+        verify: bool,
+        timeout_s: float,
+    ) -> GetOutcome:
+        """Get the pages of the serialized GetRequest `request` (for `keys`) into `into`.
+
+        Each delivered page's header is checked (key, scope, size) before its payload is received
+        straight into its buffer; with `verify` its checksum is checked after. A page failing
+        either is a miss, counted in `corrupt`; its buffer's contents are then unspecified.
+        """
+        self._check_open()
+        deadline = time.monotonic() + timeout_s
+        headers, corrupt = self._run(
+            self._call(lambda ep: self._get(ep, request, scope_digest, keys, into, deadline)),
+            timeout_s,
+        )
+        if verify:
+            for i, header in enumerate(headers):
+                if header is None:
+                    continue
+                try:
+                    header.verify_payload(into[i][: header.payload_bytes])
+                except Corrupt as exc:
+                    log.debug("ucx get: page %d dropped: %s", i, exc)
+                    headers[i] = None
+                    corrupt += 1
+        return GetOutcome(tuple(headers), corrupt)
+
+    def put(
+        self,
+        begin: bytes,
+        headers: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        *,
+        timeout_s: float,
+    ) -> tuple[PutStatus, ...]:
+        """Put pages: `begin` a serialized PutBegin, then each page's header and payload. The
+        daemon verifies every payload and stores all the pages it lacks, or none (raising)."""
+        self._check_open()
+        deadline = time.monotonic() + timeout_s
+        return self._run(
+            self._call(lambda ep: self._put(ep, begin, headers, payloads, deadline)), timeout_s
+        )
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportFailed("the UCX transport is closed")
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            # the coroutine keeps its own deadline and cleans up after it; this is a backstop
+            return future.result(timeout_s + 2 * _CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            future.cancel()
+            raise TransportFailed(f"the UCX loop did not answer within {timeout_s:.1f} s") from None
+
+    async def _connect(self, timeout_s: float) -> Any:
+        try:
+            return await asyncio.wait_for(
+                self._ucxx.create_endpoint(self._host, self._port), max(timeout_s, 0.001)
+            )
+        except Exception as exc:
+            raise TransportFailed(f"cannot connect to {self.address}: {exc!r}") from None
+
+    async def _call(self, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+        ep = self._idle.pop() if self._idle else await self._connect(_CONNECT_TIMEOUT_S)
+        reusable = False
+        try:
+            result = await op(ep)
+            reusable = True
+            return result
+        except _RemoteError as remote:
+            reusable = True
+            raise remote.error from None
+        except StrataError:
+            raise
+        except Exception as exc:  # ucxx's own errors: the connection is gone
+            raise TransportFailed(f"UCX transfer with {self.address} failed: {exc!r}") from None
+        finally:
+            if reusable and not self._closed and len(self._idle) < _MAX_IDLE_ENDPOINTS:
+                self._idle.append(ep)
+            else:
+                with contextlib.suppress(Exception):
+                    ep.abort()
+
+    async def _send(self, ep: Any, data: bytes, deadline: float) -> None:
+        await self._within(ep.send(data), deadline)
+
+    async def _recv_frame(self, ep: Any, deadline: float) -> tuple[int, int, bytearray]:
+        head = bytearray(PREAMBLE.size)
+        await self._within(ep.recv(head), deadline)
+        frame = parse_preamble(head, _MAX_META_BYTES)
+        meta = bytearray(frame.meta_bytes)
+        if frame.meta_bytes:
+            await self._within(ep.recv(meta), deadline)
+        if frame.kind == KIND_ERROR:
+            raise _RemoteError(decode_error(frame.aux, meta))
+        return frame.kind, frame.aux, meta
+
+    @staticmethod
+    async def _within(aw: Coroutine[Any, Any, object], deadline: float) -> None:
+        try:
+            await asyncio.wait_for(aw, max(deadline - time.monotonic(), 0.001))
+        except TimeoutError:
+            raise DeadlineExceeded("UCX call did not complete within its deadline") from None
+
+    async def _get(
+        self,
+        ep: Any,
+        request: bytes,
+        scope_digest: bytes,
+        keys: Sequence[bytes],
+        into: Sequence[memoryview],
+        deadline: float,
+    ) -> tuple[list[PageHeader | None], int]:
+        await self._send(ep, preamble(KIND_GET, 0, len(request)), deadline)
+        await self._send(ep, request, deadline)
+        kind, aux, meta = await self._recv_frame(ep, deadline)
+        if kind != KIND_MANIFEST or aux != len(keys):
+            raise ProtocolError(f"expected a manifest of {len(keys)} pages, got frame {kind}/{aux}")
+        entries = decode_manifest(meta, len(keys))
+        headers: list[PageHeader | None] = [None] * len(keys)
+        targets: list[memoryview | bytearray] = []
+        corrupt = 0
+        for i, entry in enumerate(entries):
+            if not entry.present:
+                continue
+            if entry.payload_bytes > self._max_page_bytes:
+                raise ProtocolError(f"page {i}: {entry.payload_bytes} bytes exceeds the page limit")
+            header = self._accept(entry, keys[i], scope_digest, into[i])
+            if header is None:
+                corrupt += 1
+                if entry.payload_bytes:
+                    targets.append(bytearray(entry.payload_bytes))  # received and dropped
+                continue
+            headers[i] = header
+            if entry.payload_bytes:
+                targets.append(into[i][: entry.payload_bytes])
+        await settle([ep.recv(t) for t in targets], deadline - time.monotonic(), ep)
+        return headers, corrupt
+
+    @staticmethod
+    def _accept(
+        entry: ManifestEntry, key: bytes, scope_digest: bytes, into: memoryview
+    ) -> PageHeader | None:
+        """The header of a manifest entry if it is the page asked for and fits its buffer."""
+        try:
+            header = PageHeader.decode(entry.header)
+        except Corrupt as exc:
+            log.debug("ucx get: undecodable header: %s", exc)
+            return None
+        if header.key != key or header.scope_digest != scope_digest:
+            log.debug("ucx get: header names another key or scope")
+            return None
+        if header.payload_bytes != entry.payload_bytes or header.payload_bytes > into.nbytes:
+            log.debug("ucx get: payload of %d bytes does not fit", entry.payload_bytes)
+            return None
+        return header
+
+    async def _put(
+        self,
+        ep: Any,
+        begin: bytes,
+        headers: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        deadline: float,
+    ) -> tuple[PutStatus, ...]:
+        count = len(headers)
+        meta = encode_put(begin, headers)
+        await self._send(ep, preamble(KIND_PUT, count, len(meta)), deadline)
+        await self._send(ep, meta, deadline)
+        kind, aux, want = await self._recv_frame(ep, deadline)
+        if kind != KIND_WANT or aux != count or len(want) != count:
+            raise ProtocolError(f"expected a want list of {count} pages, got frame {kind}/{aux}")
+        wanted = [payloads[i] for i in range(count) if want[i] and payloads[i].nbytes]
+        await settle([ep.send(v) for v in wanted], deadline - time.monotonic(), ep)
+        kind, aux, statuses = await self._recv_frame(ep, deadline)
+        if kind != KIND_DONE or aux != count or len(statuses) != count:
+            raise ProtocolError(f"expected {count} put statuses, got frame {kind}/{aux}")
+        try:
+            return tuple(PutStatus(s) for s in statuses)
+        except ValueError:
+            raise ProtocolError("unknown put status in a UCX reply") from None
+
+
+# ---- one client's choice -------------------------------------------------------------------
+
+
+class UcxLink:
+    """Whether and how one StoreClient uses UCX. `mode`: True requires it (Unavailable when it
+    cannot be used), None uses it when possible, False never. Thread-safe."""
+
+    def __init__(self, mode: bool | None, grpc_address: str) -> None:
+        self.mode = mode
+        host, sep, _ = grpc_address.rpartition(":")
+        self._grpc_host = host.strip("[]") if sep and not grpc_address.startswith("unix:") else ""
+        self._lock = threading.Lock()
+        self._key: object = None
+        self._transport: UcxTransport | None = None
+        self._given_up = mode is False
+
+    def transport(
+        self, key: object, address: str, *, timeout_s: float, max_page_bytes: int
+    ) -> UcxTransport | None:
+        """The transport for the connection `key` to a daemon advertising `address` ("ucx://...",
+        "" for none), opened on first use; None: use gRPC."""
+        with self._lock:
+            if self._given_up:
+                return None
+            if self._key is key and self._transport is not None:
+                return self._transport
+            old, self._transport, self._key = self._transport, None, key
+            if old is not None:
+                old.close()
+            try:
+                if not ucxx_installed():
+                    raise TransportFailed("ucxx is not installed (the `ucx` extra)")
+                if not address:
+                    raise TransportFailed("the store has no UCX listener")
+                transport = UcxTransport(
+                    address, fallback_host=self._grpc_host, max_page_bytes=max_page_bytes
+                )
+                try:
+                    transport.open(timeout_s)
+                except BaseException:
+                    transport.close()
+                    raise
+            except TransportFailed as exc:
+                self._give_up_locked(exc, logging.INFO)
+                return None
+            self._transport = transport
+            log.info("UCX data path to %s", address)
+            return transport
+
+    def give_up(self, exc: TransportFailed) -> None:
+        """Stop using UCX for this client (raises `exc` when UCX was required)."""
+        with self._lock:
+            transport, self._transport = self._transport, None
+            if transport is not None:
+                transport.close()
+            self._give_up_locked(exc, logging.WARNING)
+
+    def _give_up_locked(self, exc: TransportFailed, level: int) -> None:
+        if self.mode is True:
+            raise Unavailable(f"UCX was required but cannot be used: {exc}") from exc
+        if not self._given_up:
+            log.log(level, "UCX data path not used (%s); this client uses gRPC", exc)
+        self._given_up = True
+
+    @property
+    def active(self) -> bool:
+        return self._transport is not None
+
+    def close(self) -> None:
+        with self._lock:
+            transport, self._transport = self._transport, None
+            self._given_up = True
+        if transport is not None:
+            transport.close()
