@@ -17,7 +17,6 @@ patching and before creating any client; gRPC then cooperates with the gevent hu
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -87,11 +86,6 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 Transport = Literal["shm", "grpc", "ucx"]
 _LOCAL_PROBE_S = 2.0
-
-
-def _node_info(msg: pb.NodeInfoResponse) -> NodeInfo:
-    """`node_info_from_proto` with the UCX address (until client/_wire decodes it itself)."""
-    return dataclasses.replace(node_info_from_proto(msg), ucx_address=msg.ucx_address)
 
 
 class _EventStream(Protocol):
@@ -533,7 +527,7 @@ class StoreClient:
         )
         try:
             stub = StoreStub(channel)
-            node = _node_info(
+            node = node_info_from_proto(
                 self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
             )
             check_node(node)

@@ -38,7 +38,7 @@ from kvstore.metrics import (
 from kvstore.service import NodeIdentity, StoreService
 from kvstore.store import Store
 from kvstore.ucx_server import UcxServer
-from kvstore_pb import store_pb2, store_pb2_grpc
+from kvstore_pb import store_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +56,9 @@ def grpc_options(config: StoreConfig) -> list[tuple[str, int]]:
     ]
 
 
-class DaemonService(StoreService):
-    """StoreService that also advertises the daemon's UCX listener in NodeInfo."""
-
-    ucx_address = ""
-
-    def NodeInfo(
-        self, request: store_pb2.NodeInfoRequest, context: grpc.ServicerContext
-    ) -> store_pb2.NodeInfoResponse:
-        reply = super().NodeInfo(request, context)
-        reply.ucx_address = self.ucx_address
-        return reply
-
-
 def create_server(
     config: StoreConfig, store: Store, *, local_address: str = ""
-) -> tuple[grpc.Server, int, health.HealthServicer, DaemonService]:
+) -> tuple[grpc.Server, int, health.HealthServicer, StoreService]:
     """Build and bind (not start) the gRPC server for `store`.
 
     Returns (server, bound TCP port, health servicer, store servicer). `local_address` is what
@@ -90,7 +77,7 @@ def create_server(
     if port == 0:
         raise Unavailable(f"cannot listen on {address} (in use?)")
     node_id = config.server.node_id or f"{config.server.host}:{port}"
-    service = DaemonService(store, NodeIdentity(node_id, host_id(), local_address))
+    service = StoreService(store, NodeIdentity(node_id, host_id(), local_address))
     store_pb2_grpc.add_StoreServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -201,20 +188,20 @@ class Daemon:
             local_address=local,
             metrics_url=metrics_url,
             segment_name=store.tiers.dram.segment_name,
-            ucx_address=service.ucx_address,
+            ucx_address=service.node.ucx_address,
         )
         log.info(
             "serving on %s (local %s, ucx %s); tiers: %s; %d pages rebuilt from SSD; metrics %s",
-            self.info.address, local or "none", service.ucx_address or "off",
+            self.info.address, local or "none", service.node.ucx_address or "off",
             self.describe_tiers(), store.rebuilt_pages, metrics_url or "off",
         )
         return self.info
 
-    def _start_ucx(self, store: Store, service: DaemonService) -> None:
+    def _start_ucx(self, store: Store, service: StoreService) -> None:
         """Serve the UCX data path if ucxx is usable here; else remote clients use gRPC."""
         ucx = UcxServer(store, self.config.server.host, self.config.server.ucx_port)
         try:
-            service.ucx_address = ucx.start()
+            service.node = dataclasses.replace(service.node, ucx_address=ucx.start())
         except Unavailable as exc:
             log.info("no UCX data path (%s); remote clients use gRPC streams", exc)
             return

@@ -21,6 +21,7 @@ from client._wire import (
     chunk_message,
     decode_chunk_message,
     raw_bytes,
+    tune_malloc,
 )
 from client.errors import (
     CapacityExhausted,
@@ -56,6 +57,7 @@ class NodeIdentity:
     node_id: str
     host_id: str
     local_address: str  # "lane:/path" (the same-host lane) or ""
+    ucx_address: str = ""  # "ucx://host:port" (the UCX data path) or ""
 
 
 def _abort(context: grpc.ServicerContext, exc: StrataError) -> None:
@@ -191,6 +193,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 )
             ],
             local_address=self.node.local_address,
+            ucx_address=self.node.ucx_address,
         )
 
     @unary
@@ -210,6 +213,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.PutResponse:
         """Messages are generated PutRequests, or, registered by `add_to_server`, ChunkViews
         for the chunks (decoded in place) and PutRequests for anything else."""
+        tune_malloc()
         first = next(request_iterator, None)
         if not isinstance(first, store_pb2.PutRequest) or first.WhichOneof("part") != "begin":
             raise InvalidArgument("a put stream must start with PutBegin")
@@ -255,6 +259,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         chunk: Callable[[int, bytes, int, memoryview], _M],
         missing: Callable[[int], _M],
     ) -> Iterator[_M]:
+        tune_malloc()
         keys = unpack_keys(request.keys)
         io_class = _io_class(request.io_class)
         chunk_bytes = self.store.config.limits.chunk_bytes

@@ -79,8 +79,7 @@ def summarize(name: str, shape: str, nbytes: int, secs: list[float], memcpy_gbs:
 
 
 def bench_shape(
-    shm: StoreClient,
-    remote: StoreClient,
+    paths: list[tuple[str, StoreClient]],
     shape: str,
     count: int,
     page_bytes: int,
@@ -118,7 +117,7 @@ def bench_shape(
     results.append(memcpy_t)
     results.append(summarize("memcpy (cache-hot, reference)", shape, nbytes, time_calls(memcpy_hot, iters), None))
     base = memcpy_t.gb_per_s
-    for label, client in (("same-host", shm), ("remote", remote)):
+    for label, client in paths:
         def put(i: int, client: StoreClient = client) -> None:
             client.put(scope, batches[i])
 
@@ -248,23 +247,32 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Timing] = []
     print(f"strata bench store: daemon in its own process, state in {folder}", flush=True)
     with DaemonProcess(folder, dram="2GiB", ssd="2GiB") as daemon:
-        shm = StoreClient(daemon.address, shared_memory=True, timeout_s=60)
-        remote = StoreClient(daemon.address, shared_memory=False, timeout_s=60)
+        shm = StoreClient(daemon.address, shared_memory=True, ucx=False, timeout_s=60)
+        grpc_client = StoreClient(daemon.address, shared_memory=False, ucx=False, timeout_s=60)
+        paths = [("same-host", shm), ("remote gRPC", grpc_client)]
+        ucx_client = StoreClient(daemon.address, shared_memory=False, ucx=None, timeout_s=60)
+        ucx_client.connect()
+        if ucx_client.transport == "ucx":
+            paths.append(("remote UCX", ucx_client))
+        else:
+            print("  (no UCX data path here: ucxx missing on the client or daemon)", flush=True)
         try:
             for shape in ns.shapes.split(","):
                 count, page_bytes = SHAPES[shape]
-                print(f"  {count} x {shape} pages …", flush=True)
+                print(f"  {count} x {shape} pages ...", flush=True)
                 rows += bench_shape(
-                    shm, remote, shape, count, page_bytes, ns.iters, ns.working_set_mib << 20
+                    paths, shape, count, page_bytes, ns.iters, ns.working_set_mib << 20
                 )
-            print("  lookups …", flush=True)
+            print("  lookups ...", flush=True)
             rows += bench_lookup(shm, max(ns.iters, 50))
             if ns.ssd_pages:
-                print("  SSD tier …", flush=True)
-                rows += bench_ssd(remote, shm, folder, ns.ssd_pages)
+                print("  SSD tier ...", flush=True)
+                rows += bench_ssd(grpc_client, shm, folder, ns.ssd_pages)
         finally:
-            shm.close()
-            remote.close()
+            for _, client in paths:
+                client.close()
+            if ucx_client.transport != "ucx":
+                ucx_client.close()
     print()
     print_table(rows)
     if ns.json:
