@@ -8,8 +8,11 @@ chunking of a put stream and the reassembly and verification of a get stream.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import random
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -72,9 +75,9 @@ def malformed(what: str) -> StrataError:
 
 def packed_keys(keys: Sequence[bytes]) -> bytes:
     """Keys packed for the wire; InvalidArgument unless each is `bytes` of KEY_BYTES."""
-    for key in keys:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise InvalidArgument(f"page keys are {KEY_BYTES}-byte bytes, got {key!r:.60}")
+    if set(map(type, keys)) - {bytes} or set(map(len, keys)) - {KEY_BYTES}:
+        bad = next(k for k in keys if not isinstance(k, bytes) or len(k) != KEY_BYTES)
+        raise InvalidArgument(f"page keys are {KEY_BYTES}-byte bytes, got {bad!r:.60}")
     return b"".join(keys)
 
 
@@ -141,6 +144,9 @@ def tier_value(tier: Tier | None) -> pb.Tier.ValueType:
     return pb.Tier.ValueType(0 if tier is None else int(tier))
 
 
+_TIER_BY_VALUE = {int(t): t for t in Tier}
+
+
 def tier_of(value: int) -> Tier:
     """A tier a reply must name; malformed-reply error for 0 or an unknown value."""
     try:
@@ -174,6 +180,7 @@ def node_info_from_proto(msg: pb.NodeInfoResponse) -> NodeInfo:
         ),
         segments=tuple(Segment(tier_of(s.tier), s.name, s.size_bytes) for s in msg.segments),
         local_address=msg.local_address,
+        ucx_address=msg.ucx_address,
     )
 
 
@@ -182,7 +189,11 @@ def lookup_from_proto(msg: pb.LookupResponse, asked: int) -> LookupResult:
         raise malformed(
             f"lookup of {asked} keys answered {msg.hit_count} hits with {len(msg.tiers)} tiers"
         )
-    return LookupResult(hit_count=msg.hit_count, tiers=tuple(tier_of(t) for t in msg.tiers))
+    try:
+        tiers = tuple(map(_TIER_BY_VALUE.__getitem__, msg.tiers))
+    except KeyError as exc:
+        raise malformed(f"unknown tier {exc.args[0]}") from None
+    return LookupResult(hit_count=msg.hit_count, tiers=tiers)
 
 
 def put_statuses_from_proto(msg: pb.PutResponse, asked: int) -> tuple[PutStatus, ...]:
@@ -507,6 +518,44 @@ def decode_chunk_message(raw: bytes, tag: int) -> ChunkView | None:
         return None
 
 
+# ---- the C allocator under bulk gRPC traffic ---------------------------------------------
+
+# glibc malloc serves requests above M_MMAP_THRESHOLD with fresh mappings and hands free memory
+# at the top of a heap back to the kernel above M_TRIM_THRESHOLD. Both start small (128 KiB,
+# adapting upwards only as far as the largest mapping freed so far), so a stream of MiB-sized
+# messages maps, zero-fills and unmaps its buffers again and again: gRPC's receive path spent
+# more time in page faults than in copying. Raised, freed buffers are reused instead, at the cost
+# of keeping up to M_TRIM_THRESHOLD of free memory per heap.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its adaptive threshold
+_TRIM_THRESHOLD_BYTES = 64 << 20
+TUNE_MALLOC_ENV = "STRATA_TUNE_MALLOC"  # "0" leaves the allocator alone
+_malloc_tuned = False
+
+
+def tune_malloc() -> None:
+    """Raise glibc's mmap and trim thresholds for this process, once (see above). Called by the
+    gRPC data paths of the clients and the daemon; a no-op off glibc or with STRATA_TUNE_MALLOC=0.
+    """
+    global _malloc_tuned
+    if _malloc_tuned:
+        return
+    _malloc_tuned = True
+    if os.environ.get(TUNE_MALLOC_ENV, "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) and mallopt(
+        _M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES
+    )
+    log.debug("malloc thresholds raised: %s", bool(ok))
+
+
 # ---- put stream --------------------------------------------------------------------------
 
 
@@ -579,7 +628,7 @@ GET_METHOD = "/strata.store.v1.Store/Get"
 
 # ---- get stream --------------------------------------------------------------------------
 
-_PENDING, _RECEIVING, _MISSING, _BAD = range(4)
+_PENDING, _RECEIVING, _COMPLETE, _MISSING, _BAD = range(5)
 
 
 class GetAssembler:
@@ -589,7 +638,8 @@ class GetAssembler:
     names another key or scope, does not fit its buffer, arrives out of order or incomplete, or
     fails its checksum (when `verify`) is a miss, counted in `corrupt`; its buffer's contents are
     then unspecified. A message naming a page index outside the call breaks the contract and
-    raises a malformed-reply StrataError.
+    raises a malformed-reply StrataError. Each page is verified as its last byte arrives, while
+    it is still in the CPU cache.
     """
 
     def __init__(
@@ -635,21 +685,9 @@ class GetAssembler:
         result: list[PageHeader | None] = []
         for index, state in enumerate(self._state):
             header = self._headers[index]
-            if state != _RECEIVING or header is None:
-                result.append(None)
-                continue
-            if self._received[index] != header.payload_bytes:
+            if state == _RECEIVING and header is not None:
                 self._drop(index, f"incomplete: {self._received[index]} of {header.payload_bytes}")
-                result.append(None)
-                continue
-            if self._verify:
-                try:
-                    header.verify_payload(self._into[index][: header.payload_bytes])
-                except Corrupt as exc:
-                    self._drop(index, str(exc))
-                    result.append(None)
-                    continue
-            result.append(header)
+            result.append(header if state == _COMPLETE else None)
         return tuple(result)
 
     def _index(self, index: int) -> int:
@@ -681,6 +719,7 @@ class GetAssembler:
         if state == _PENDING:
             if not self._start(index, chunk.header):
                 return
+            state = _RECEIVING
         elif chunk.header:
             self._drop(index, "a second header")
             return
@@ -692,8 +731,21 @@ class GetAssembler:
         if chunk.offset != start or end > header.payload_bytes:
             self._drop(index, f"chunk at {chunk.offset}+{len(data)}, expected offset {start}")
             return
-        self._into[index][start:end] = data
-        self._received[index] = end
+        if end == start:
+            if state == _COMPLETE or end < header.payload_bytes:
+                return  # an empty chunk changes nothing
+        else:
+            self._into[index][start:end] = data
+            self._received[index] = end
+            if end < header.payload_bytes:
+                return
+        if self._verify:
+            try:
+                header.verify_payload(self._into[index][:end])
+            except Corrupt as exc:
+                self._drop(index, str(exc))
+                return
+        self._state[index] = _COMPLETE
 
     def _start(self, index: int, raw: bytes) -> bool:
         try:

@@ -42,6 +42,7 @@ from client._wire import (
     put_statuses_from_proto,
     raw_bytes,
     stats_from_proto,
+    tune_malloc,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
 from client.page import PageHeader
@@ -301,6 +302,7 @@ class AsyncStoreClient:
         io: IoClass,
         tier: Tier | None,
     ) -> tuple[PutStatus, ...]:
+        tune_malloc()
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
         # Messages are built by hand (one copy of each payload), so the call sends them as is.
         put = conn.channel.stream_unary(
@@ -352,6 +354,7 @@ class AsyncStoreClient:
         io: IoClass,
         verify: bool,
     ) -> tuple[PageHeader | None, ...]:
+        tune_malloc()
         request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
         # Replies are decoded by hand, straight from the received bytes into `views`.
         get = conn.channel.unary_stream(
