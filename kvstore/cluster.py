@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from client.etcd import EtcdClient, EtcdUnavailable
 from client.membership import Member, member_key
@@ -28,8 +29,15 @@ log = logging.getLogger(__name__)
 class Registration:
     """This daemon's membership record in etcd. Thread-safe; `stop()` is idempotent."""
 
-    def __init__(self, config: ClusterConfig, member: Member) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        member: Member,
+        on_stale: Callable[[bool], None] | None = None,
+    ) -> None:
+        """`on_stale(stale)` is called whenever membership turns stale or is confirmed again."""
         self.config = config
+        self._on_stale = on_stale
         self.member = member
         self.key = member_key(config.name, member.node_id)
         self._etcd = EtcdClient(config.etcd_endpoints, timeout_s=config.etcd_timeout_ms / 1000)
@@ -105,6 +113,8 @@ class Registration:
     def _set_stale(self, stale: bool, why: str) -> None:
         with self._lock:
             changed, self._stale = self._stale != stale, stale
+        if changed and self._on_stale is not None:
+            self._on_stale(stale)
         if changed and stale:
             log.warning("cluster membership is stale: etcd unreachable (%s); still serving", why)
         elif changed:

@@ -43,6 +43,9 @@ from kvstore_pb import store_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "strata.store.v1.Store"
+# Health of this node's cluster membership: NOT_SERVING while etcd cannot confirm it (the store
+# itself keeps serving with the last known membership, so "" and SERVICE_NAME stay SERVING).
+CLUSTER_SERVICE_NAME = "strata.store.v1.Cluster"
 
 
 def grpc_options(config: StoreConfig) -> list[tuple[str, int]]:
@@ -155,7 +158,14 @@ class Daemon:
             self._health = health_servicer
             if cfg.cluster.enabled:
                 self.registration = Registration(
-                    cfg.cluster, self._member(service.node.node_id, port, service.node.host_id)
+                    cfg.cluster,
+                    self._member(service.node.node_id, port, service.node.host_id),
+                    on_stale=lambda stale: health_servicer.set(
+                        CLUSTER_SERVICE_NAME,
+                        health_pb2.HealthCheckResponse.NOT_SERVING
+                        if stale
+                        else health_pb2.HealthCheckResponse.SERVING,
+                    ),
                 )
             registration = self.registration
             metrics_url = ""
@@ -177,6 +187,7 @@ class Daemon:
             health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
             if registration is not None:
+                health_servicer.set(CLUSTER_SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
                 registration.start()  # after serving: members listed in etcd answer
         except BaseException:
             self.stop()

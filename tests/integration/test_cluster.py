@@ -12,11 +12,14 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClusterClient, PutStatus, Scope
 from client.etcd import EtcdClient
 from client.membership import Member, member_key, members_prefix
+from kvstore.server import CLUSTER_SERVICE_NAME
 from loadtests.daemon import DaemonProcess, wait_for
 from loadtests.etcd import EtcdProcess
 from tests.conftest import DaemonFactory, buffers, chain, keys_of, make_scope, singles
@@ -64,8 +67,16 @@ def test_a_daemon_registers_with_a_lease_and_leaves_on_stop(
     assert {t.tier for t in member.tiers} == {"dram", "ssd"}
     assert found[0].lease != 0
     assert _metric(running.info.metrics_url, "strata_cluster_membership_stale") == 0
+    assert _health(running.address, CLUSTER_SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     running.stop()
     assert kv.get_prefix(members_prefix("t")).kvs == ()
+
+
+def _health(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        return int(reply.status)
 
 
 def test_no_cluster_section_needs_no_etcd(daemon_factory: DaemonFactory) -> None:
@@ -154,6 +165,11 @@ def test_cluster_survives_a_crash_a_rejoin_and_an_etcd_outage(
             interval_s=0.1,
         )
         assert any("membership is stale" in line for line in procs["n1"].output)
+        # health says so too: the store serves, its cluster membership does not
+        assert _health(procs["n1"].address, "") == health_pb2.HealthCheckResponse.SERVING
+        assert _health(procs["n1"].address, CLUSTER_SERVICE_NAME) == (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        )
     finally:
         client.close()
         for p in procs.values():
