@@ -15,6 +15,7 @@ commands:
   serve              run the store daemon (DRAM + SSD tiers under ~/.cache/strata by default)
   bench store        store put/get/lookup benchmark vs memcpy (same-host and remote paths)
   bench cluster      cluster put/get throughput and lookup latency, 1 node vs N nodes
+  bench engine       engine TTFT with no cache vs a full DRAM / SSD hit; decode tokens/s
   model init PATH    write a random-weight checkpoint (--preset tiny|small)
   prefill            run a prefill worker (--model PATH --store ADDR [--port N])
   decode             run a decode worker (--model PATH --store ADDR [--port N])
@@ -32,7 +33,7 @@ def _serve(argv: Sequence[str]) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: strata bench store|cluster [--help]")
+        print("usage: strata bench store|cluster|engine [--help]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "store":
@@ -43,7 +44,13 @@ def _bench(argv: Sequence[str]) -> int:
         from loadtests.bench_cluster import main as cluster_main
 
         return cluster_main(rest)
-    print(f"strata bench: unknown benchmark {what!r} (known: store, cluster)", file=sys.stderr)
+    if what == "engine":
+        from loadtests.bench_engine import main as engine_main
+
+        return engine_main(rest)
+    print(
+        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine)", file=sys.stderr
+    )
     return 2
 
 

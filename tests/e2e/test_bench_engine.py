@@ -1,0 +1,100 @@
+"""`strata bench engine` on the tiny preset with tiny sizes: the JSON it writes has every field,
+and the values that do not depend on the machine's speed are exact (hits cover exactly the
+prompt's full pages from the tier asked for, a hit computes only the tail, every first token is
+the no-cache one, decode gives the tokens asked for). Timings are only checked to be positive:
+which path is faster is the benchmark's answer, not something a loaded CI machine can promise.
+
+The smoke test starts the store daemon as a subprocess (the benchmark's own path), twice: the
+SSD measurement restarts it. It takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests.bench_engine import Stat, decode_rate, main
+
+pytestmark = pytest.mark.e2e
+
+PROMPT_TOKENS = 40  # two full pages of 16 and a partial tail of 8
+PAGE_TOKENS = 16
+FULL_TOKENS = PROMPT_TOKENS // PAGE_TOKENS * PAGE_TOKENS
+
+
+def test_stat_median_and_nearest_rank_p90() -> None:
+    stat = Stat.of([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (stat.median_s, stat.p90_s) == (3.0, 5.0)
+    assert Stat.of([float(i) for i in range(1, 21)]).p90_s == 18.0
+    assert stat.samples_s == (5.0, 1.0, 4.0, 2.0, 3.0)
+
+
+def test_decode_rate_counts_tokens_after_the_first_step() -> None:
+    # Two requests decoded together: steps at t = 10, 11, 12; both in every step.
+    assert decode_rate([[10.0, 11.0, 12.0], [10.0, 11.0, 12.0]]) == pytest.approx(2.0)
+    # One request alone: 4 tokens, 3 after the first, over 1.5 s.
+    assert decode_rate([[0.0, 0.5, 1.0, 1.5]]) == pytest.approx(2.0)
+
+
+def test_bench_engine_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    argv = [
+        "--preset", "tiny", "--prompt-tokens", str(PROMPT_TOKENS), "--reps", "2",
+        "--decode-reps", "1", "--new-tokens", "3", "--batch", "2", "--json", str(out),
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "TTFT full hit, DRAM" in printed.out and "target:" in printed.out
+    assert "no cache 2/2" in printed.err  # progress goes to stderr
+
+    bench = json.loads(out.read_text())
+    assert bench["command"].startswith("strata bench engine --preset tiny")
+    assert bench["model"] == "tiny preset (seed 0)"
+    assert bench["prompt_tokens"] == PROMPT_TOKENS
+    assert bench["page_tokens"] == PAGE_TOKENS
+    assert bench["full_pages"] == PROMPT_TOKENS // PAGE_TOKENS
+    assert bench["repetitions"] == 2
+    assert isinstance(bench["page_cache_dropped"], bool) and "SSD" in bench["ssd_method"]
+
+    no_cache, dram, ssd = bench["ttft"]
+    assert [t["name"] for t in bench["ttft"]] == [
+        "TTFT no cache", "TTFT full hit, DRAM", "TTFT full hit, SSD",
+    ]
+    assert (no_cache["hit_tokens"], no_cache["computed_tokens"]) == (0, PROMPT_TOKENS)
+    for hit in (dram, ssd):
+        assert hit["hit_tokens"] == FULL_TOKENS
+        assert hit["computed_tokens"] == PROMPT_TOKENS - FULL_TOKENS
+        assert hit["first_token"] == no_cache["first_token"]
+    for t in bench["ttft"]:
+        stat = t["ttft"]
+        assert len(stat["samples_s"]) == 2
+        assert all(s > 0 for s in stat["samples_s"])
+        assert min(stat["samples_s"]) <= stat["median_s"] <= stat["p90_s"]
+        assert stat["p90_s"] == max(stat["samples_s"])
+
+    assert [d["batch"] for d in bench["decode"]] == [1, 2]
+    for d in bench["decode"]:
+        assert d["new_tokens_per_request"] == 3
+        assert d["hit_tokens_per_request"] == FULL_TOKENS
+        assert d["same_tokens_as_batch_1"] is True
+        assert d["tokens_per_s_median"] > 0 and d["end_to_end_tokens_per_s_median"] > 0
+
+    ratios = bench["ratios"]
+    base = no_cache["ttft"]["median_s"]
+    assert ratios["dram_hit_over_no_cache"] == pytest.approx(dram["ttft"]["median_s"] / base)
+    assert ratios["ssd_hit_over_no_cache"] == pytest.approx(ssd["ttft"]["median_s"] / base)
+    assert ratios["dram_target"] == 0.2
+    assert ratios["dram_target_met"] == (ratios["dram_hit_over_no_cache"] <= 0.2)
+    assert ratios["batch_over_batch_1"] > 0
+
+
+def test_bench_engine_rejects_a_prompt_shorter_than_a_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--preset", "tiny", "--prompt-tokens", "8", "--json", str(tmp_path / "x.json")])
+    assert exited.value.code == 2
+    assert "at least one page" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
