@@ -153,6 +153,9 @@ def paged_decode_attention_reference(
     num_pages, page_tokens, kv_heads, _ = key_cache.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     tables = block_tables.to(torch.int64).clamp(0, num_pages - 1)
+    if seq_lens.numel():  # only the pages some sequence reaches: tables may be padded far wider
+        needed = max(1, -(-int(seq_lens.max()) // page_tokens))
+        tables = tables[:, : min(needed, tables.shape[1])]
     span = tables.shape[1] * page_tokens
     keys = key_cache[tables].reshape(batch, span, kv_heads, head_dim).float()
     values = value_cache[tables].reshape(batch, span, kv_heads, head_dim).float()
