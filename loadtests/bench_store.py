@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = [("same-host", shm), ("remote gRPC", grpc_client)]
         ucx_client = StoreClient(daemon.address, shared_memory=False, ucx=None, timeout_s=60)
         ucx_client.connect()
-        if ucx_client.transport == "ucx":
+        has_ucx = ucx_client.transport == "ucx"
+        if has_ucx:
             paths.append(("remote UCX", ucx_client))
         else:
             print("  (no UCX data path here: ucxx missing on the client or daemon)", flush=True)
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for _, client in paths:
                 client.close()
-            if ucx_client.transport != "ucx":
+            if not has_ucx:
                 ucx_client.close()
     print()
     print_table(rows)
