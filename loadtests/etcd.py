@@ -2,7 +2,7 @@
 
 Client and peer ports are free ports picked at start; the data folder is the caller's. `kill()`
 sends SIGKILL to that child's PID only. etcd comes from Debian's `etcd-server` package
-(scripts/bootstrap.sh installs it); a missing binary is an error, never a skip.
+(scripts/test installs it); a missing binary is an error, never a skip.
 """
 
 from __future__ import annotations
