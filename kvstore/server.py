@@ -79,12 +79,19 @@ def create_server(
         raise Unavailable(f"cannot listen on {address}: {exc}") from None
     if port == 0:
         raise Unavailable(f"cannot listen on {address} (in use?)")
-    node_id = config.server.node_id or f"{config.server.host}:{port}"
+    node_id = config.server.node_id or f"{reachable_host(config.server.host)}:{port}"
     service = StoreService(store, NodeIdentity(node_id, host_id(), local_address))
     store_pb2_grpc.add_StoreServicer_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, port, health_servicer, service
+
+
+def reachable_host(host: str) -> str:
+    """The host part others can use: a wildcard listen address becomes this host's name."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return socket.gethostname()
+    return host
 
 
 def _probe_port(host: str, port: int) -> None:
@@ -221,7 +228,7 @@ class Daemon:
     def _member(self, node_id: str, port: int, host: str) -> Member:
         assert self.store is not None
         cfg = self.config
-        address = cfg.cluster.advertise_address or f"{cfg.server.host}:{port}"
+        address = cfg.cluster.advertise_address or f"{reachable_host(cfg.server.host)}:{port}"
         tiers = tuple(
             TierCapacity(TIER_NAMES[g.tier], g.capacity_bytes) for g in self.store.tiers.gauges()
         )

@@ -428,3 +428,13 @@ def test_validate_accepts_edges() -> None:
     )
     assert c.validate() is c
     assert c.dram.capacity_bytes == MiB
+
+
+def test_a_wildcard_listen_address_is_not_advertised() -> None:
+    import socket
+
+    from kvstore.server import reachable_host
+
+    assert reachable_host("127.0.0.1") == "127.0.0.1"
+    for wildcard in ("0.0.0.0", "::", ""):
+        assert reachable_host(wildcard) == socket.gethostname()
