@@ -388,7 +388,6 @@ class RetryPolicy:
 # generated parser instead, so a third-party peer built from store.proto works unchanged.
 
 # Tags: field number << 3 | wire type (0 varint, 2 length-delimited).
-TAG_PUT_BEGIN = 0x0A  # PutRequest.begin = 1
 TAG_PUT_CHUNK = 0x12  # PutRequest.chunk = 2
 TAG_GET_CHUNK = 0x0A  # GetResponse.chunk = 1
 TAG_GET_MISSING = 0x10  # GetResponse.missing = 2
@@ -486,6 +485,8 @@ def _decode_chunk(buf: memoryview, pos: int, end: int) -> ChunkView:
                 raise _Unexpected
         elif tag == _TAG_OFFSET:
             offset, pos = _read_varint(buf, pos, end)
+            if offset > _UINT64_MAX:
+                raise _Unexpected
         elif tag in (_TAG_HEADER, _TAG_DATA):
             size, pos = _read_varint(buf, pos, end)
             if size > end - pos:

@@ -35,7 +35,7 @@ from kvstore.metrics import (
     make_registry,
     serve_metrics,
 )
-from kvstore.service import NodeIdentity, StoreService
+from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store
 from kvstore.ucx_server import UcxServer
 from kvstore_pb import store_pb2_grpc
@@ -81,7 +81,7 @@ def create_server(
         raise Unavailable(f"cannot listen on {address} (in use?)")
     node_id = config.server.node_id or f"{reachable_host(config.server.host)}:{port}"
     service = StoreService(store, NodeIdentity(node_id, host_id(), local_address))
-    store_pb2_grpc.add_StoreServicer_to_server(service, server)
+    add_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, port, health_servicer, service

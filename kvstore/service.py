@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.message import Message
 
 from client._wire import (
     TAG_GET_CHUNK,
@@ -248,7 +247,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
         yield from self._get_stream(request, _pb_chunk, _pb_missing)
 
     @streaming
-    def GetMessages(self, request: store_pb2.GetRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _get_messages(
+        self, request: store_pb2.GetRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
         """Get as serialized GetResponses (what `add_to_server` registers): each chunk's data is
         copied once, from the DRAM tier into the message."""
         yield from self._get_stream(request, _raw_chunk, _raw_missing)
@@ -501,43 +502,41 @@ class _PutWriter:
             self._lease = 0
 
 
+_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
 def add_to_server(service: StoreService, server: grpc.Server) -> None:
-    """Register `service` on `server`: `store_pb2_grpc.add_StoreServicer_to_server`, except
-    that the bulk messages of Put and Get skip the generated classes (decoded in place and
-    encoded by hand, see client/_wire.py). The bytes on the wire are the same protobuf."""
-    pb = store_pb2
-    unary_methods: list[tuple[str, Callable[..., object], type[Message], type[Message]]] = [
-        ("NodeInfo", service.NodeInfo, pb.NodeInfoRequest, pb.NodeInfoResponse),
-        ("Lookup", service.Lookup, pb.LookupRequest, pb.LookupResponse),
-        ("Reserve", service.Reserve, pb.ReserveRequest, pb.ReserveResponse),
-        ("Commit", service.Commit, pb.CommitRequest, pb.CommitResponse),
-        ("Acquire", service.Acquire, pb.AcquireRequest, pb.AcquireResponse),
-        ("Release", service.Release, pb.ReleaseRequest, pb.ReleaseResponse),
-        ("Renew", service.Renew, pb.RenewRequest, pb.RenewResponse),
-        ("Delete", service.Delete, pb.DeleteRequest, pb.DeleteResponse),
-        ("Stats", service.Stats, pb.StatsRequest, pb.StatsResponse),
-    ]
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-        name: grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+    """Register `service` on `server` like `store_pb2_grpc.add_StoreServicer_to_server`, except
+    that the bulk messages of Put and Get bypass the generated classes: PutRequest chunks are
+    decoded in place and GetResponses are encoded by hand (client/_wire.py), each payload copied
+    once. The bytes on the wire are the same protobuf."""
+    descriptor = store_pb2.DESCRIPTOR.services_by_name["Store"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in descriptor.methods:
+        request = getattr(store_pb2, method.input_type.name)
+        response = getattr(store_pb2, method.output_type.name)
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(
+            getattr(service, method.name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
         )
-        for name, fn, req, resp in unary_methods
-    }
     handlers["Put"] = grpc.stream_unary_rpc_method_handler(
         service.Put,
         request_deserializer=_put_request,
-        response_serializer=pb.PutResponse.SerializeToString,
+        response_serializer=store_pb2.PutResponse.SerializeToString,
     )
     handlers["Get"] = grpc.unary_stream_rpc_method_handler(
-        service.GetMessages,
-        request_deserializer=pb.GetRequest.FromString,
+        service._get_messages,
+        request_deserializer=store_pb2.GetRequest.FromString,
         response_serializer=raw_bytes,
     )
-    handlers["Watch"] = grpc.unary_stream_rpc_method_handler(
-        service.Watch,
-        request_deserializer=pb.WatchRequest.FromString,
-        response_serializer=pb.Event.SerializeToString,
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(descriptor.full_name, handlers),)
     )
-    name = pb.DESCRIPTOR.services_by_name["Store"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)
+    server.add_registered_method_handlers(descriptor.full_name, handlers)

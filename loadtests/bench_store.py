@@ -11,6 +11,7 @@ installed. Prints GB/s, p50/p99 per batch call and ratios to memcpy; `--json PAT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -223,6 +224,34 @@ def bench_ssd(remote: StoreClient, shm: StoreClient, folder: Path, pages: int) -
     return out
 
 
+def bench_ucx(folder: Path, ns: argparse.Namespace) -> list[Timing]:
+    """The remote UCX path, on a daemon of its own with its UCX listener on (memcpy re-measured
+    in the same run, so its ratios are side by side too)."""
+    rows: list[Timing] = []
+    with DaemonProcess(folder, dram="2GiB", ssd="0", extra=["--set", "server.ucx=true"]) as daemon:
+        client = StoreClient(daemon.address, shared_memory=False, ucx=None, timeout_s=60)
+        try:
+            client.connect()
+            if client.transport != "ucx":
+                print("  (no UCX data path here: ucxx is missing or unusable)", flush=True)
+                return rows
+            for shape in ns.shapes.split(","):
+                count, page_bytes = SHAPES[shape]
+                print(f"  UCX: {count} x {shape} pages ...", flush=True)
+                part = bench_shape(
+                    [("remote UCX", client)], shape, count, page_bytes, ns.iters,
+                    ns.working_set_mib << 20,
+                )
+                rows += [
+                    dataclasses.replace(r, name=f"{r.name} [UCX run]")
+                    if r.name.startswith("memcpy") else r
+                    for r in part
+                ]
+        finally:
+            client.close()
+    return rows
+
+
 def print_table(rows: list[Timing]) -> None:
     print(f"{'operation':<44} {'batch':<10} {'p50 ms':>9} {'p99 ms':>9} {'GB/s':>7} {'xmemcpy':>8}")
     for r in rows:
@@ -240,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         "--working-set-mib", type=int, default=256,
         help="buffers rotate over at least this much memory per side, beyond the CPU cache",
     )
+    p.add_argument(
+        "--no-ucx", dest="ucx", action="store_false",
+        help="skip the remote UCX rows (measured on a second daemon with its UCX listener on)",
+    )
     p.add_argument("--dir", type=Path, help="daemon state folder (default: a temporary one)")
     p.add_argument("--json", type=Path, help="write the results here")
     ns = p.parse_args(argv)
@@ -250,13 +283,6 @@ def main(argv: list[str] | None = None) -> int:
         shm = StoreClient(daemon.address, shared_memory=True, ucx=False, timeout_s=60)
         grpc_client = StoreClient(daemon.address, shared_memory=False, ucx=False, timeout_s=60)
         paths = [("same-host", shm), ("remote gRPC", grpc_client)]
-        ucx_client = StoreClient(daemon.address, shared_memory=False, ucx=None, timeout_s=60)
-        ucx_client.connect()
-        has_ucx = ucx_client.transport == "ucx"
-        if has_ucx:
-            paths.append(("remote UCX", ucx_client))
-        else:
-            print("  (no UCX data path here: ucxx missing on the client or daemon)", flush=True)
         try:
             for shape in ns.shapes.split(","):
                 count, page_bytes = SHAPES[shape]
@@ -272,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for _, client in paths:
                 client.close()
-            if not has_ucx:
-                ucx_client.close()
+    if ns.ucx:
+        rows += bench_ucx(folder / "ucx", ns)
     print()
     print_table(rows)
     if ns.json:

@@ -71,6 +71,7 @@ def test_sdk_client_round_trip(address: str) -> None:
         assert result.hit_count == 5 and result.headers[5] is None
         assert [bytes(b) for b in into[:5]] == [bytes(p.payload) for p in pages]
         assert client.corrupt_pages == 0
+        assert client.stats().pages == 5  # the unary methods are registered too
 
 
 def _third_party_put(

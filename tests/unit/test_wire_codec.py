@@ -12,6 +12,8 @@ import pytest
 
 from client import KVLayout, Page, Scope, build_pages
 from client._wire import (
+    GET_METHOD,
+    PUT_METHOD,
     TAG_GET_CHUNK,
     TAG_PUT_CHUNK,
     ChunkView,
@@ -121,6 +123,7 @@ ODD = {
     "field repeated (last wins)": _wrap(TAG_PUT_CHUNK, b"\x08\x01\x08\x02\x22\x01x"),
     "index as length-delimited": _wrap(TAG_PUT_CHUNK, b"\x0a\x01x"),
     "index above uint32": _wrap(TAG_PUT_CHUNK, b"\x08" + varint(1 << 33)),
+    "offset above uint64": _wrap(TAG_PUT_CHUNK, b"\x18" + varint(1 << 65)),
     "two-byte tag": _wrap(TAG_PUT_CHUNK, b"\x80\x01\x01"),
     "chunk field repeated (merged)": _wrap(TAG_PUT_CHUNK, b"\x08\x01")
     + _wrap(TAG_PUT_CHUNK, b"\x22\x01x"),
@@ -241,3 +244,9 @@ def test_feed_message_reports_contract_breaks() -> None:
 def test_chunk_view_has_the_page_chunk_fields() -> None:
     view = ChunkView(1, b"h", 2, memoryview(b"d"))
     assert (view.index, view.header, view.offset, bytes(view.data)) == (1, b"h", 2, b"d")
+
+
+def test_method_paths_name_the_proto_methods() -> None:
+    methods = pb.DESCRIPTOR.services_by_name["Store"].methods_by_name
+    for path, name in ((PUT_METHOD, "Put"), (GET_METHOD, "Get")):
+        assert path == "/" + methods[name].full_name.replace(f".{name}", f"/{name}")
