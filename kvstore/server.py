@@ -38,7 +38,6 @@ from kvstore.metrics import (
 from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store
 from kvstore.ucx_server import UcxServer
-from kvstore_pb import store_pb2_grpc
 
 log = logging.getLogger(__name__)
 
