@@ -76,9 +76,8 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     workers: int = 16
     node_id: str = ""  # "" = derived from host and port
-    # The UCX bulk data path (needs the `ucx` extra): true = serve it when ucxx imports. Off by
-    # default: with ucxx 0.52 a connected UCX client keeps one daemon core busy even when idle.
-    ucx: bool = False
+    # The UCX bulk data path (needs the `ucx` extra): true = serve it when ucxx imports.
+    ucx: bool = True
     ucx_port: int = 0  # 0 = any free port (advertised in NodeInfo)
 
 

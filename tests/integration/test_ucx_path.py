@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import pytest
-from conftest import DaemonFactory, RunningDaemon, keys_of, make_scope
+from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope
 
 from client import KVLayout, Page, Scope, StoreClient, build_pages, ucx_transport
 from client.errors import Corrupt, Unavailable
@@ -310,3 +311,21 @@ def test_client_without_ucxx_uses_grpc(
     strict.connect()
     with pytest.raises(Unavailable, match="ucxx is not installed"):
         strict.put(scope, pages)
+
+
+@needs_ucxx
+def test_an_idle_client_costs_the_daemon_no_cpu(daemon_factory: DaemonFactory) -> None:
+    """A UCX client between calls holds no endpoint: an open, idle one keeps a ucxx 0.52 daemon
+    progressing a posted receive on a whole core. The daemon runs in this process, so the
+    process's CPU time over an idle wait is the daemon's (plus this test's, which waits)."""
+    daemon = daemon_factory(dram="64MiB", ssd=None, settings=UCX_ON)
+    client = daemon.client(shared_memory=False, ucx=True)
+    assert client.transport == "ucx"
+    scope = make_scope("idle", layout=SMALL)
+    pages = prompt(scope, 4, seed=9)
+    assert client.put(scope, pages).stored == 4
+    assert client.get(scope, keys_of(pages), buffers(scope, 4)).hit_count == 4
+    before_cpu, before_wall = time.process_time(), time.monotonic()
+    threading.Event().wait(1.5)  # idle: nothing is asked of the daemon
+    share = (time.process_time() - before_cpu) / (time.monotonic() - before_wall)
+    assert share < 0.5, f"an idle UCX client cost the daemon {share:.0%} of a core"
