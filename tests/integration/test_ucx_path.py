@@ -34,6 +34,7 @@ from client.ucx_protocol import (
     preamble,
 )
 from kvstore_pb import store_pb2 as pb
+from loadtests.daemon import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -57,10 +58,7 @@ def prompt(scope: Scope, count: int, seed: int) -> list[Page]:
 
 def _wait_for_no_leases(daemon: RunningDaemon, timeout_s: float = 10.0) -> None:
     """Leases end on the daemon's side of a call, maybe just after the client has returned."""
-    deadline = time.monotonic() + timeout_s
-    while daemon.store.stats().active_leases and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert daemon.store.stats().active_leases == 0
+    assert wait_for(lambda: daemon.store.stats().active_leases == 0, timeout_s=timeout_s)
 
 
 def both(daemon: RunningDaemon) -> tuple[StoreClient, StoreClient]:
