@@ -66,6 +66,8 @@ class PageHeader:
     payload_checksum: int
     # the encoded bytes, when known (decoded or built here); never part of equality
     _raw: bytes = field(default=b"", init=False, compare=False, repr=False)
+    # the digest of the scope this (immutable) header last passed `validate_for` against
+    _valid_for: bytes = field(default=b"", init=False, compare=False, repr=False)
 
     @property
     def header_bytes(self) -> int:
@@ -167,8 +169,11 @@ class PageHeader:
         """Raise InvalidArgument unless this header is a well-formed full page of `scope`.
 
         Checks the scope digest, dtype and layout, the token count (only full pages are keyed),
-        the payload size, and that `key == chain_key(parent, tokens)`.
+        the payload size, and that `key == chain_key(parent, tokens)`. A header is immutable and
+        a scope digest covers its layout and dtype, so a repeated check for the same scope is free.
         """
+        if self._valid_for and self._valid_for == scope.digest:
+            return
         if self.scope_digest != scope.digest:
             raise InvalidArgument("page scope digest does not match the request's scope")
         if self.dtype != scope.kv_dtype or self.layout != scope.layout:
@@ -187,6 +192,7 @@ class PageHeader:
             )
         if len(self.key) != KEY_BYTES or self._chain_key() != self.key:
             raise InvalidArgument("page key is not chain_key(parent, tokens)")
+        object.__setattr__(self, "_valid_for", scope.digest)
 
     def _chain_key(self) -> bytes:
         raw = self._raw
@@ -222,6 +228,47 @@ def _layout(layers: int, heads: int, head_dim: int, page_tokens: int) -> KVLayou
         if len(_LAYOUTS) < 4096:
             _LAYOUTS[key] = layout
     return layout
+
+
+_EXPECTED: dict[bytes, tuple[bytes, bytes, int]] = {}
+
+
+def _expected_bytes(scope: Scope) -> tuple[bytes, bytes, int]:
+    """(bytes 0:28, bytes 60:92, header length) of every full-page header of `scope`."""
+    found = _EXPECTED.get(scope.digest)
+    if found is None:
+        lay = scope.layout
+        count = lay.page_tokens
+        size = header_bytes_for(count)
+        head = struct.pack("<4sHHI16s", MAGIC, VERSION, 0, size, scope.digest)
+        middle = struct.pack(
+            "<IB3xIIIIQ", count, dtype_code(scope.kv_dtype), lay.num_layers, lay.num_kv_heads,
+            lay.head_dim, lay.page_tokens, scope.page_payload_bytes,
+        )
+        found = (head, middle, size)
+        if len(_EXPECTED) < 4096:
+            _EXPECTED[scope.digest] = found
+    return found
+
+
+def quick_check(raw: bytes, scope: Scope) -> tuple[bytes, bytes] | None:
+    """(key, parent) of `raw` if it is, byte for byte, a valid full-page header of `scope` (header
+    checksum, scope digest, dtype, layout, token count, payload size, key = chain_key(parent,
+    tokens)); None otherwise — then `PageHeader.decode` + `validate_for` say precisely why.
+
+    The same checks as decoding and validating, without building objects: the daemon runs it on
+    every page it is asked to store.
+    """
+    head, middle, size = _expected_bytes(scope)
+    if len(raw) != size or raw[:28] != head or raw[60:92] != middle:
+        return None
+    body = size - _TAIL.size
+    if xxhash.xxh3_64_intdigest(raw[:body]) != int.from_bytes(raw[body:], "little"):
+        return None
+    key, parent = raw[28:44], raw[44:60]
+    if xxhash.xxh3_128_digest(parent + raw[HEADER_FIXED_BYTES:body]) != key:
+        return None
+    return key, parent
 
 
 def make_header(scope: Scope, parent: bytes, tokens: Sequence[int], payload: Buffer) -> PageHeader:

@@ -56,6 +56,20 @@ class EventLog:
             self._ring.append(Event(self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes))
             self._cond.notify_all()
 
+    def publish_many(
+        self, items: list[tuple[EventKind, bytes, bytes, int, Tier | None, Tier | None]]
+    ) -> None:
+        """Append several events (kind, key, scope digest, size, from, to) under one lock."""
+        if not items:
+            return
+        with self._cond:
+            for kind, key, scope_digest, size_bytes, from_tier, to_tier in items:
+                self._seq += 1
+                self._ring.append(
+                    Event(self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes)
+                )
+            self._cond.notify_all()
+
     @property
     def last_seq(self) -> int:
         with self._cond:

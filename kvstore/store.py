@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from client.page import PageHeader
+from client.page import PageHeader, quick_check
 from client.scope import KEY_BYTES, Scope
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -86,11 +86,21 @@ class Acquisition:
 
 
 @dataclass(frozen=True, slots=True)
+class PlannedPage:
+    """What the store needs of one validated page header to place it."""
+
+    key: bytes
+    parent: bytes
+    scope_digest: bytes
+    payload_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class PutPlan:
     """Side-effect-free plan of a write: which pages are new, and how many bytes they need."""
 
     scope: Scope
-    headers: tuple[PageHeader, ...]
+    headers: tuple[PlannedPage, ...]
     new: tuple[int, ...]  # indexes into headers of pages to store
     need_bytes: int
 
@@ -104,7 +114,7 @@ class StoreStats:
 
 @dataclass(slots=True)
 class _Pending:
-    header: PageHeader
+    header: PlannedPage
     raw_header: bytes
     offset: int
 
@@ -253,9 +263,18 @@ class Store:
         """
         self._check_keys(raw_headers)
         limit = self.config.limits.max_page_bytes
+        if scope.page_payload_bytes > limit:
+            raise InvalidArgument(
+                f"page of {scope.page_payload_bytes} bytes exceeds max_page_bytes {limit}"
+            )
         headers = []
+        digest, size = scope.digest, scope.page_payload_bytes
         for raw in raw_headers:
-            try:
+            quick = quick_check(raw, scope) if isinstance(raw, bytes) else None
+            if quick is not None:
+                headers.append(PlannedPage(quick[0], quick[1], digest, size))
+                continue
+            try:  # the slow path names exactly what is wrong
                 header = PageHeader.decode(raw)
             except Corrupt as exc:
                 raise InvalidArgument(f"malformed page header: {exc}") from None
@@ -264,18 +283,20 @@ class Store:
                     f"page of {header.payload_bytes} bytes exceeds max_page_bytes {limit}"
                 )
             header.validate_for(scope)
-            headers.append(header)
+            headers.append(
+                PlannedPage(header.key, header.parent, header.scope_digest, header.payload_bytes)
+            )
         seen: set[bytes] = set()
         new = []
         need = 0
         with self._lock:
-            for i, header in enumerate(headers):
-                key = header.key
+            for i, planned in enumerate(headers):
+                key = planned.key
                 if key in seen or key in self.index or key in self._pending_keys:
                     continue
                 seen.add(key)
                 new.append(i)
-                need += header.payload_bytes
+                need += planned.payload_bytes
         return PutPlan(scope, tuple(headers), tuple(new), need)
 
     def reserve(
@@ -336,6 +357,7 @@ class Store:
             if granted is None:
                 raise LeaseExpired(f"lease {lease_id} is not a write reservation")
             stored = 0
+            events: list[tuple[EventKind, bytes, bytes, int, Tier | None, Tier | None]] = []
             for pending in granted:
                 if pending is None:
                     continue
@@ -357,11 +379,15 @@ class Store:
                     )
                 )
                 stored += 1
-                self.events.publish(
-                    EventKind.STORED, key, pending.header.scope_digest,
-                    pending.header.payload_bytes, None, Tier.DRAM,
+                events.append(
+                    (EventKind.STORED, key, pending.header.scope_digest,
+                     pending.header.payload_bytes, None, Tier.DRAM)
                 )
-                self._place(self.index.get(key), tier, io_class)
+                if tier is not None or self.write_mode is WriteMode.WRITE_THROUGH:
+                    self.events.publish_many(events)  # STORED before any MOVED of placing it
+                    events.clear()
+                    self._place(self.index.get(key), tier, io_class)
+            self.events.publish_many(events)
             self.counters.add_bytes(
                 path, "in", io_class, sum(p.header.payload_bytes for p in granted if p is not None)
             )

@@ -298,3 +298,21 @@ def test_encode_rejects_keys_of_the_wrong_size(field: str) -> None:
     header = dataclasses.replace(_tiny_header(), **{field: b"short"})
     with pytest.raises(InvalidArgument):
         header.encode()
+
+
+def test_quick_check_agrees_with_decode_and_validate() -> None:
+    """The daemon's byte-level fast path accepts exactly the headers the full path accepts."""
+    from client.page import quick_check
+
+    scope = Scope("m", "w", "t", "float16", KVLayout(2, 2, 8, 4))
+    other = Scope("m", "w", "t", "float16", KVLayout(2, 2, 8, 4), namespace="other")
+    payload = bytes(range(256)) * (scope.page_payload_bytes // 256)
+    header = make_header(scope, scope.digest, [1, 2, 3, 4], payload)
+    raw = header.encode()
+    assert quick_check(raw, scope) == (header.key, header.parent)
+    assert quick_check(raw, other) is None  # another scope's page
+    for i in range(len(raw)):  # any flipped byte: the fast path refuses, as decode+validate do
+        flipped = bytearray(raw)
+        flipped[i] ^= 0x01
+        assert quick_check(bytes(flipped), scope) is None
+    assert quick_check(raw[:-1], scope) is None
