@@ -130,6 +130,7 @@ class AsyncStoreClient:
         self._lock = asyncio.Lock()
         self._conn: _Connection | None = None
         self._closed = False
+        self._put_channel: grpc.Channel | None = None  # blocking channel for put streams
         self._releases: set[asyncio.Task[None]] = set()
         self.corrupt_pages = 0
         """Pages dropped by verification since the client was made (each also a miss)."""
@@ -167,6 +168,9 @@ class AsyncStoreClient:
                 task.cancel()
         if conn is not None:
             await conn.close()
+        if self._put_channel is not None:
+            self._put_channel.close()
+            self._put_channel = None
 
     async def __aenter__(self) -> AsyncStoreClient:
         return self
@@ -304,14 +308,21 @@ class AsyncStoreClient:
     ) -> tuple[PutStatus, ...]:
         tune_malloc()
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
-        # Messages are built by hand (one copy of each payload), so the call sends them as is.
-        put = conn.channel.stream_unary(
+        # The stream runs on a blocking channel in a worker thread: grpc.aio reports a write that
+        # races the daemon's early answer (say RESOURCE_EXHAUSTED) as INTERNAL and loses the real
+        # status, while the blocking stub returns the daemon's status. Messages are built by hand
+        # (one copy of each payload), so the call sends them as is.
+        if self._put_channel is None:
+            self._put_channel = grpc.insecure_channel(
+                self.address, options=channel_options(self._max_message_bytes)
+            )
+        put = self._put_channel.stream_unary(
             PUT_METHOD, request_serializer=raw_bytes, response_deserializer=pb.PutResponse.FromString
         )
 
         async def attempt(timeout: float) -> pb.PutResponse:
             requests = put_messages(scope, pages, views, io_class=io, tier=tier, chunk_bytes=chunk)
-            reply = await put(requests, timeout=timeout)
+            reply = await asyncio.to_thread(put, requests, timeout=timeout)
             if not isinstance(reply, pb.PutResponse):
                 raise malformed(f"Put answered {type(reply).__name__}")
             return reply
