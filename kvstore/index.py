@@ -345,7 +345,12 @@ class Index:
         self._pages[tier] += 1
         self._bytes[tier] += entry.payload_bytes
         self._tick += 1
-        self._refile(entry, tier, fresh=True)
+        # just arrived in `tier`, so in none of its lists yet: file it fresh (what _refile does
+        # for this case, without looking for it first)
+        want = self._segment(entry, tier)
+        if want is not None:
+            self._version += 1
+            self._order[tier][want][entry.key] = self._tick
         parent = self._entries.get(entry.parent)
         if parent is not None:
             kids = self._kids_in[parent.key]
