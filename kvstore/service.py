@@ -32,7 +32,7 @@ from client.errors import (
 )
 from client.page import PageHeader
 from client.scope import KEY_BYTES, unpack_keys
-from kvstore.keys import IoClass, Tier
+from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Store
 from kvstore_pb import API_VERSION, store_pb2, store_pb2_grpc
 
@@ -95,24 +95,6 @@ def streaming(
             _abort(context, exc)
 
     return wrapper
-
-
-def _io_class(value: int) -> IoClass:
-    if value == 0:
-        return IoClass.NORMAL
-    try:
-        return IoClass(value)
-    except ValueError:
-        raise InvalidArgument(f"unknown I/O class {value}") from None
-
-
-def _tier(value: int) -> Tier | None:
-    if value == 0:
-        return None
-    try:
-        return Tier(value)
-    except ValueError:
-        raise InvalidArgument(f"unknown tier {value}") from None
 
 
 def _pb_tier(tier: Tier | None) -> store_pb2.Tier.ValueType:
@@ -218,8 +200,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
             raise InvalidArgument("a put stream must start with PutBegin")
         begin = first.begin
         scope = self.store.scope_of(begin.scope)
-        io_class = _io_class(begin.io_class)
-        tier = _tier(begin.tier)
+        io_class = io_class_from_wire(begin.io_class)
+        tier = tier_from_wire(begin.tier)
         limits = self.store.config.limits
         if begin.page_count > limits.max_keys_per_call:
             raise InvalidArgument(
@@ -262,7 +244,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> Iterator[_M]:
         tune_malloc()
         keys = unpack_keys(request.keys)
-        io_class = _io_class(request.io_class)
+        io_class = io_class_from_wire(request.io_class)
         chunk_bytes = self.store.config.limits.chunk_bytes
         acq = self.store.acquire(_digest(request.scope_digest), keys, io_class)
         try:
@@ -293,7 +275,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.ReserveResponse:
         scope = self.store.scope_of(request.scope)
         res = self.store.reserve(
-            scope, list(request.headers), request.lease_ms, _io_class(request.io_class)
+            scope, list(request.headers), request.lease_ms, io_class_from_wire(request.io_class)
         )
         return store_pb2.ReserveResponse(
             lease_id=res.lease_id,
@@ -314,7 +296,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Acquire(
         self, request: store_pb2.AcquireRequest, context: grpc.ServicerContext
     ) -> store_pb2.AcquireResponse:
-        io_class = _io_class(request.io_class)
+        io_class = io_class_from_wire(request.io_class)
         acq = self.store.acquire(
             _digest(request.scope_digest), unpack_keys(request.keys), io_class, request.lease_ms
         )

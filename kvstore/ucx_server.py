@@ -44,7 +44,7 @@ from client.ucx_protocol import (
     prepare_environment,
     settle,
 )
-from kvstore.keys import IoClass, Tier
+from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
 from kvstore_pb import store_pb2
 
@@ -52,24 +52,6 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 5.0
-
-
-def _io_class(value: int) -> IoClass:
-    if value == 0:
-        return IoClass.NORMAL
-    try:
-        return IoClass(value)
-    except ValueError:
-        raise InvalidArgument(f"unknown I/O class {value}") from None
-
-
-def _tier(value: int) -> Tier | None:
-    if value == 0:
-        return None
-    try:
-        return Tier(value)
-    except ValueError:
-        raise InvalidArgument(f"unknown tier {value}") from None
 
 
 class UcxServer:
@@ -199,7 +181,7 @@ class UcxServer:
                 raise InvalidArgument(
                     f"{len(keys)} keys in one get; the limit is {store.config.limits.max_keys_per_call}"
                 )
-            io = _io_class(request.io_class)
+            io = io_class_from_wire(request.io_class)
             acq = await asyncio.to_thread(store.acquire, request.scope_digest, keys, io)
         except StrataError as exc:
             await self._send_error(ep, exc)
@@ -248,8 +230,8 @@ class UcxServer:
             if begin.page_count != page_count:
                 raise InvalidArgument(f"PutBegin announces {begin.page_count} pages, sent {page_count}")
             scope = store.scope_of(begin.scope)
-            io = _io_class(begin.io_class)
-            tier = _tier(begin.tier)
+            io = io_class_from_wire(begin.io_class)
+            tier = tier_from_wire(begin.tier)
             res = await asyncio.to_thread(store.reserve, scope, headers, self._reserve_ms, io)
         except StrataError as exc:
             await self._send_error(ep, exc)

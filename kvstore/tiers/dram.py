@@ -18,11 +18,10 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 from pathlib import Path
 
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.tiers.buddy import BuddyAllocator
+from kvstore.tiers.slots import SlotSpace
 
 __all__ = ["SHM_DIR", "DramTier", "segment_path"]
 
@@ -40,7 +39,7 @@ def segment_path(segment_name: str) -> Path:
     return SHM_DIR / segment_name
 
 
-class DramTier:
+class DramTier(SlotSpace):
     """A shared-memory slab of `capacity_bytes` with buddy-allocated slots.
 
     Creating it creates (or replaces a stale) `/dev/shm/<segment_name>` and maps it; raises
@@ -49,8 +48,7 @@ class DramTier:
     """
 
     def __init__(self, capacity_bytes: int, segment_name: str, min_block_bytes: int = 4096) -> None:
-        self._alloc = BuddyAllocator(capacity_bytes, min_block_bytes)
-        self._lock = threading.Lock()
+        super().__init__(capacity_bytes, min_block_bytes)
         self._name = segment_name
         self._path = segment_path(segment_name)
         size = self._alloc.capacity_bytes
@@ -106,63 +104,13 @@ class DramTier:
         return self._alloc.capacity_bytes
 
     @property
-    def capacity_bytes(self) -> int:
-        """Bytes the allocator manages (equal to `size_bytes`)."""
-        return self._alloc.capacity_bytes
-
-    @property
-    def allocated_blocks(self) -> int:
-        """Number of blocks currently allocated (resident pages plus reservations)."""
-        return self._alloc.allocated_blocks
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes in allocated slots (slot sizes, i.e. requests rounded up to powers of two)."""
-        return self._alloc.used_bytes
-
-    @property
     def closed(self) -> bool:
         return self._whole is None
 
-    def slot_bytes_for(self, nbytes: int) -> int:
-        """Slot size a request of `nbytes` takes; raises InvalidArgument like `allocate`. Pure."""
-        return self._alloc.block_size_for(nbytes)
-
-    def largest_free_slot(self) -> int:
-        """The largest request `allocate` could satisfy right now (0 when full)."""
-        with self._lock:
-            return self._alloc.largest_free_block()
-
-    def slot_bytes(self, offset: int) -> int:
-        """Size of the allocated slot at `offset`; raises InvalidArgument if there is none."""
-        with self._lock:
-            return self._alloc.block_bytes(offset)
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless the slot map is sound (see BuddyAllocator.check_integrity)."""
-        with self._lock:
-            self._alloc.check_integrity()
-
     # ---- slots ---------------------------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> int | None:
-        """Reserve a slot of at least `nbytes`; mutates. Returns its offset, or None when full.
-
-        Raises InvalidArgument for `nbytes <= 0` or larger than the largest slot; Unavailable
-        after `close()`. The slot's previous contents are not cleared.
-        """
+    def _ensure_open(self) -> None:
         self._check_open()
-        with self._lock:
-            return self._alloc.allocate(nbytes)
-
-    def free(self, offset: int) -> int:
-        """Release the slot at `offset`; mutates. Returns the slot size.
-
-        Raises InvalidArgument for an offset that is not an allocated slot (or a double free).
-        Views of the slot stay mapped, but the bytes may be reused by the next `allocate`.
-        """
-        with self._lock:
-            return self._alloc.free(offset)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """A writable, zero-copy view of `nbytes` at `offset` of the segment. Pure.

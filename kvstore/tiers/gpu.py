@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.tiers.buddy import BuddyAllocator
+from kvstore.tiers.slots import SlotSpace
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ def _byte_view(buf: Buffer) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-class GpuTier:
+class GpuTier(SlotSpace):
     """A `capacity_bytes` slab on `device` ("cuda", "cuda:N" or "cpu") with buddy-allocated slots.
 
     Raises Unavailable if torch is not installed, CUDA is requested but not available, or the
@@ -59,8 +59,7 @@ class GpuTier:
         except ImportError as exc:
             raise Unavailable("the GPU tier needs torch, which is not installed") from exc
         self._torch = torch
-        self._alloc = BuddyAllocator(capacity_bytes, min_block_bytes)
-        self._lock = threading.Lock()
+        super().__init__(capacity_bytes, min_block_bytes)
         self._copy_lock = threading.Lock()
         try:
             dev = torch.device(device)
@@ -103,52 +102,14 @@ class GpuTier:
         return str(self._device)
 
     @property
-    def capacity_bytes(self) -> int:
-        return self._alloc.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes in allocated slots (requests rounded up to powers of two)."""
-        return self._alloc.used_bytes
-
-    @property
     def slab(self) -> torch.Tensor:
         """The whole slab tensor (for CUDA IPC export); raises Unavailable after `close()`."""
         return self._open_slab()
 
-    def slot_bytes_for(self, nbytes: int) -> int:
-        """Slot size a request of `nbytes` takes; raises InvalidArgument like `allocate`. Pure."""
-        return self._alloc.block_size_for(nbytes)
-
-    def largest_free_slot(self) -> int:
-        with self._lock:
-            return self._alloc.largest_free_block()
-
-    def slot_bytes(self, offset: int) -> int:
-        """Size of the allocated slot at `offset`; raises InvalidArgument if there is none."""
-        with self._lock:
-            return self._alloc.block_bytes(offset)
-
-    def check_integrity(self) -> None:
-        """Raise AssertionError unless the slot map is sound."""
-        with self._lock:
-            self._alloc.check_integrity()
-
     # ---- slots ---------------------------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> int | None:
-        """Reserve a slot of at least `nbytes`; mutates. Returns its offset, or None when full.
-
-        Raises InvalidArgument for `nbytes <= 0` or beyond the largest slot; Unavailable after close.
-        """
+    def _ensure_open(self) -> None:
         self._open_slab()
-        with self._lock:
-            return self._alloc.allocate(nbytes)
-
-    def free(self, offset: int) -> int:
-        """Release the slot at `offset`; mutates. Returns the slot size; InvalidArgument if none."""
-        with self._lock:
-            return self._alloc.free(offset)
 
     # ---- copies --------------------------------------------------------------------------------
 
