@@ -317,7 +317,9 @@ class AsyncStoreClient:
                 self.address, options=channel_options(self._max_message_bytes)
             )
         put = self._put_channel.stream_unary(
-            PUT_METHOD, request_serializer=raw_bytes, response_deserializer=pb.PutResponse.FromString
+            PUT_METHOD,
+            request_serializer=raw_bytes,
+            response_deserializer=pb.PutResponse.FromString,
         )
 
         async def attempt(timeout: float) -> pb.PutResponse:
@@ -369,7 +371,8 @@ class AsyncStoreClient:
         request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
         # Replies are decoded by hand, straight from the received bytes into `views`.
         get = conn.channel.unary_stream(
-            GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=raw_bytes,
         )
 

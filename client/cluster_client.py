@@ -160,9 +160,14 @@ class ClusterClient:
             client = self._clients.get(node_id)
             if client is not None and client.address == member.address:
                 return client
-            old, client = client, StoreClient(
-                member.address, shared_memory=self._shared_memory, timeout_s=self._timeout_s,
-                retries=1,
+            old, client = (
+                client,
+                StoreClient(
+                    member.address,
+                    shared_memory=self._shared_memory,
+                    timeout_s=self._timeout_s,
+                    retries=1,
+                ),
             )
             self._clients[node_id] = client
         if old is not None:  # the node came back at another address
@@ -221,16 +226,19 @@ class ClusterClient:
                 break
             asked = [m for m in reps[p] if m not in absent[p]] if round_no else live
             lists = {
-                node: [i for i in range(p, n) if node in reps[i] and present[i] is None
-                       and node not in absent[i]]
+                node: [
+                    i
+                    for i in range(p, n)
+                    if node in reps[i] and present[i] is None and node not in absent[i]
+                ]
                 for node in asked
             }
             lists = {node: ix for node, ix in lists.items() if ix}
             if not lists:
                 break
-            replies = self._fan({
-                node: _lookup_call(scope, [keys[i] for i in ix]) for node, ix in lists.items()
-            })
+            replies = self._fan(
+                {node: _lookup_call(scope, [keys[i] for i in ix]) for node, ix in lists.items()}
+            )
             for node, reply in replies.items():
                 ix = lists[node]
                 if isinstance(reply, StrataError):
@@ -275,12 +283,14 @@ class ClusterClient:
                 if attempt < len(reps[i]) and reps[i][attempt] in alive:
                     groups.setdefault(reps[i][attempt], []).append(i)
             if groups:
-                replies = self._fan({
-                    node: _get_call(
-                        scope, [keys[i] for i in ix], [into[i] for i in ix], io_class, verify
-                    )
-                    for node, ix in groups.items()
-                })
+                replies = self._fan(
+                    {
+                        node: _get_call(
+                            scope, [keys[i] for i in ix], [into[i] for i in ix], io_class, verify
+                        )
+                        for node, ix in groups.items()
+                    }
+                )
                 for node, reply in replies.items():
                     if not isinstance(reply, StrataError):
                         for i, header in zip(groups[node], reply.headers, strict=True):
@@ -318,8 +328,12 @@ class ClusterClient:
         for round_no in range(2):  # the planned replicas, then one fallback round
             live = self.live_nodes()
             if round_no == 0:
-                placed = plan(keys, live, self.replicas,
-                              extra=[self._width(k, now) - self.replicas for k in keys])
+                placed = plan(
+                    keys,
+                    live,
+                    self.replicas,
+                    extra=[self._width(k, now) - self.replicas for k in keys],
+                )
                 groups = {node: list(ix) for node, ix in placed.by_node.items()}
             else:
                 groups = {}
@@ -329,10 +343,12 @@ class ClusterClient:
                         groups.setdefault(spare[0], []).append(i)
             if not groups:
                 break
-            replies = self._fan({
-                node: _put_call(scope, [pages[i] for i in ix], io_class, tier)
-                for node, ix in groups.items()
-            })
+            replies = self._fan(
+                {
+                    node: _put_call(scope, [pages[i] for i in ix], io_class, tier)
+                    for node, ix in groups.items()
+                }
+            )
             for node, reply in replies.items():
                 for i in groups[node]:
                     tried[i].add(node)
@@ -356,9 +372,9 @@ class ClusterClient:
         deleted (a replicated page counts once per replica). Mutates."""
         if (scope is None) == (keys is None):
             raise InvalidArgument("delete takes exactly one of scope or keys")
-        replies = self._fan({
-            node: (lambda c: c.delete(scope=scope, keys=keys)) for node in self.live_nodes()
-        })
+        replies = self._fan(
+            {node: (lambda c: c.delete(scope=scope, keys=keys)) for node in self.live_nodes()}
+        )
         return sum(r for r in replies.values() if isinstance(r, int))
 
     def stats(self) -> ClusterStats:

@@ -100,7 +100,7 @@ def _normalise(endpoint: str) -> str:
 
 
 def parse_endpoints(text: str | Sequence[str]) -> tuple[str, ...]:
-    """"127.0.0.1:2379,http://h:2379" (or a list) -> ("http://127.0.0.1:2379", "http://h:2379")."""
+    """ "127.0.0.1:2379,http://h:2379" (or a list) -> ("http://127.0.0.1:2379", "http://h:2379")."""
     items = text.split(",") if isinstance(text, str) else list(text)
     return tuple(_normalise(e) for e in items if e.strip())
 
@@ -255,4 +255,3 @@ class EtcdClient:
         if "error" in reply and "result" not in reply:
             raise EtcdUnavailable(f"etcd {path}: {reply['error']!r}")
         return reply
-

@@ -150,5 +150,7 @@ class MemberWatch:
             was, self._degraded = self._degraded, True
         if not was:
             log.warning(
-                "cluster %r: etcd unreachable (%s); serving with the last known members", self.cluster, why
+                "cluster %r: etcd unreachable (%s); serving with the last known members",
+                self.cluster,
+                why,
             )

@@ -49,9 +49,7 @@ class Member:
                 "node_id": self.node_id,
                 "address": self.address,
                 "host_id": self.host_id,
-                "tiers": [
-                    {"tier": t.tier, "capacity_bytes": t.capacity_bytes} for t in self.tiers
-                ],
+                "tiers": [{"tier": t.tier, "capacity_bytes": t.capacity_bytes} for t in self.tiers],
             },
             sort_keys=True,
         ).encode()

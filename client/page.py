@@ -143,7 +143,11 @@ class PageHeader:
             raise Corrupt(f"unknown dtype code {code}")
         layout = _layout(layers, heads, head_dim, page_tokens)
         tokens = _tokens_struct(token_count).unpack_from(view, HEADER_FIXED_BYTES)
-        raw = bytes(view[:header_bytes]) if isinstance(data, memoryview) or len(view) != header_bytes else data
+        raw = (
+            bytes(view[:header_bytes])
+            if isinstance(data, memoryview) or len(view) != header_bytes
+            else data
+        )
         header = cls(
             scope_digest=bytes(scope_digest),
             key=bytes(key),
@@ -242,8 +246,14 @@ def _expected_bytes(scope: Scope) -> tuple[bytes, bytes, int]:
         size = header_bytes_for(count)
         head = struct.pack("<4sHHI16s", MAGIC, VERSION, 0, size, scope.digest)
         middle = struct.pack(
-            "<IB3xIIIIQ", count, dtype_code(scope.kv_dtype), lay.num_layers, lay.num_kv_heads,
-            lay.head_dim, lay.page_tokens, scope.page_payload_bytes,
+            "<IB3xIIIIQ",
+            count,
+            dtype_code(scope.kv_dtype),
+            lay.num_layers,
+            lay.num_kv_heads,
+            lay.head_dim,
+            lay.page_tokens,
+            scope.page_payload_bytes,
         )
         found = (head, middle, size)
         if len(_EXPECTED) < 4096:

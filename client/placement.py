@@ -81,7 +81,9 @@ class HotPages:
     the last `window_s` seconds is hot. Remembers at most `max_keys` keys (least recently read
     go first), so memory stays bounded. Not thread-safe: the owner locks."""
 
-    def __init__(self, *, threshold: int = 8, window_s: float = 60.0, max_keys: int = 65536) -> None:
+    def __init__(
+        self, *, threshold: int = 8, window_s: float = 60.0, max_keys: int = 65536
+    ) -> None:
         if threshold < 1 or window_s <= 0 or max_keys < 1:
             raise InvalidArgument("threshold, window_s and max_keys must be positive")
         self.threshold = threshold

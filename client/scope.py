@@ -54,7 +54,11 @@ class KVLayout:
     def payload_bytes(self, dtype: str) -> int:
         """Bytes of one full page's payload in `dtype`."""
         return (
-            self.num_layers * 2 * self.page_tokens * self.num_kv_heads * self.head_dim
+            self.num_layers
+            * 2
+            * self.page_tokens
+            * self.num_kv_heads
+            * self.head_dim
             * dtype_size(dtype)
         )
 
@@ -229,7 +233,9 @@ def _tokens_le(tokens: Sequence[int]) -> bytes:
     try:
         return struct.pack(f"<{len(tokens)}I", *tokens)
     except struct.error:
-        bad = next((t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID)), None)
+        bad = next(
+            (t for t in tokens if not (isinstance(t, int) and 0 <= t <= _MAX_TOKEN_ID)), None
+        )
         raise InvalidArgument(f"token ids must be uint32, got {bad!r}") from None
 
 

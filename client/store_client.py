@@ -356,7 +356,9 @@ class StoreClient:
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
         # Messages are built by hand (one copy of each payload), so the call sends them as is.
         put = conn.channel.stream_unary(
-            PUT_METHOD, request_serializer=raw_bytes, response_deserializer=pb.PutResponse.FromString
+            PUT_METHOD,
+            request_serializer=raw_bytes,
+            response_deserializer=pb.PutResponse.FromString,
         )
 
         def attempt(timeout: float) -> pb.PutResponse:
@@ -408,7 +410,8 @@ class StoreClient:
         request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
         # Replies are decoded by hand, straight from the received bytes into `views`.
         get = conn.channel.unary_stream(
-            GET_METHOD, request_serializer=pb.GetRequest.SerializeToString,
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
             response_deserializer=raw_bytes,
         )
 
@@ -491,8 +494,12 @@ class StoreClient:
         request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
         try:
             outcome = ucx.get(
-                request.SerializeToString(), scope.digest, keys, views,
-                verify=verify, timeout_s=self._timeout_s,
+                request.SerializeToString(),
+                scope.digest,
+                keys,
+                views,
+                verify=verify,
+                timeout_s=self._timeout_s,
             )
         except TransportFailed as exc:
             self._ucx.give_up(exc)
@@ -507,7 +514,9 @@ class StoreClient:
         if conn.maps or self._ucx.mode is False:
             return None
         return self._ucx.transport(
-            conn, conn.node.ucx_address or "", timeout_s=self._timeout_s,
+            conn,
+            conn.node.ucx_address or "",
+            timeout_s=self._timeout_s,
             max_page_bytes=conn.node.limits.max_page_bytes,
         )
 
@@ -562,7 +571,12 @@ class StoreClient:
             if not isinstance(reply, pb.NodeInfoResponse) or reply.node_id != node.node_id:
                 raise Unavailable(f"{node.local_address} is another node")
         except (grpc.RpcError, StrataError) as exc:
-            log.info("control traffic stays on %s: %s unusable (%s)", self.address, node.local_address, exc)
+            log.info(
+                "control traffic stays on %s: %s unusable (%s)",
+                self.address,
+                node.local_address,
+                exc,
+            )
             lane.close()
             return None
         return stub

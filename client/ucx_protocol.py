@@ -89,7 +89,7 @@ def prepare_environment() -> None:
 
 
 def parse_address(address: str, fallback_host: str = "") -> tuple[str, int]:
-    """"ucx://host:port" -> (host, port). A wildcard host (0.0.0.0, ::) becomes `fallback_host`.
+    """ "ucx://host:port" -> (host, port). A wildcard host (0.0.0.0, ::) becomes `fallback_host`.
     Raises InvalidArgument for anything else."""
     if not address.startswith(SCHEME):
         raise InvalidArgument(f"not a UCX address: {address!r}")

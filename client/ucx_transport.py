@@ -1,8 +1,8 @@
 """The SDK's end of the UCX bulk data path (DESIGN §6; framing in client/ucx_protocol.py).
 
-`UcxTransport` is a blocking facade over ucxx: every call runs as a coroutine on one private
-asyncio loop thread shared by the process, over a small pool of endpoints to one daemon (one
-request at a time per endpoint, so concurrent calls each get their own). Payloads are received
+`UcxTransport` is a blocking facade over ucxx: every call runs as a coroutine on the process's
+UCX loop (client/ucx_runtime.py), each on an endpoint of its own (see _MAX_IDLE_ENDPOINTS), so
+concurrent calls never share one. Payloads are received
 straight into the caller's buffers and sent straight from the caller's pages, with no copy made
 here. A get verifies each page's header and (when asked) checksum, as the gRPC path does.
 
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import importlib.util
 import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, TypeVar
 
 from client.errors import Corrupt, DeadlineExceeded, InvalidArgument, StrataError, Unavailable
@@ -44,9 +42,9 @@ from client.ucx_protocol import (
     parse_address,
     parse_preamble,
     preamble,
-    prepare_environment,
     settle,
 )
+from client.ucx_runtime import ucx_runtime
 
 log = logging.getLogger(__name__)
 
@@ -70,29 +68,6 @@ class _RemoteError(Exception):
     def __init__(self, error: StrataError) -> None:
         super().__init__(str(error))
         self.error = error
-
-
-# ---- the process's UCX loop ------------------------------------------------------------------
-
-_runtime_lock = threading.Lock()
-_runtime: tuple[ModuleType, asyncio.AbstractEventLoop] | None = None
-
-
-def _ucx_runtime() -> tuple[ModuleType, asyncio.AbstractEventLoop]:
-    """(ucxx, the private loop all transports of this process run on); started on first use.
-    Raises TransportFailed when ucxx cannot be imported."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            prepare_environment()
-            try:
-                ucxx = importlib.import_module("ucxx")
-            except Exception as exc:  # ImportError, or a shared library it needs is missing
-                raise TransportFailed(f"ucxx is not usable: {exc}") from None
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="strata-ucx-client", daemon=True).start()
-            _runtime = (ucxx, loop)
-        return _runtime
 
 
 def ucxx_installed() -> bool:
@@ -127,7 +102,10 @@ class UcxTransport:
         except InvalidArgument as exc:
             raise TransportFailed(str(exc)) from None
         self._max_page_bytes = max_page_bytes or (1 << 62)
-        self._ucxx, self._loop = _ucx_runtime()
+        try:
+            self._ucxx, self._loop = ucx_runtime()
+        except Unavailable as exc:
+            raise TransportFailed(str(exc)) from None
         self._idle: list[Any] = []  # touched on the loop only
         self._closed = False
 

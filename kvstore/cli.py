@@ -29,7 +29,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--gpu-device", help="torch device of the GPU tier (default cuda)")
     p.add_argument("--write-through", action="store_true", help="copy every put to SSD too")
     p.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="any config value, e.g. --set ssd.admission=second-hit (repeatable)",
     )
     p.add_argument("--log-level", default="INFO")

@@ -63,9 +63,7 @@ class Registration:
         """Register (once, synchronously: a daemon that can reach etcd is a member when this
         returns) and start the keep-alive thread. Never raises for an etcd outage."""
         self._tick()
-        self._thread = threading.Thread(
-            target=self._run, name="strata-membership", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="strata-membership", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -101,7 +99,10 @@ class Registration:
                 self._etcd.put(self.key, self.member.encode(), lease=lease)
                 log.info(
                     "registered in cluster %r as %s at %s (lease TTL %d s)",
-                    self.config.name, self.member.node_id, self.member.address, self._ttl_s,
+                    self.config.name,
+                    self.member.node_id,
+                    self.member.address,
+                    self._ttl_s,
                 )
         except EtcdUnavailable as exc:
             self._set_stale(True, str(exc))

@@ -180,7 +180,9 @@ class StoreConfig:
     def validate(self) -> StoreConfig:
         """Raise InvalidArgument on an inconsistent config; return self."""
         if self.ssd.admission not in ("always", "second-hit"):
-            raise InvalidArgument(f"ssd.admission must be always|second-hit, not {self.ssd.admission!r}")
+            raise InvalidArgument(
+                f"ssd.admission must be always|second-hit, not {self.ssd.admission!r}"
+            )
         if self.ssd.write_mode not in ("write-back", "write-through"):
             raise InvalidArgument(
                 f"ssd.write_mode must be write-back|write-through, not {self.ssd.write_mode!r}"
@@ -190,7 +192,9 @@ class StoreConfig:
         if self.dram.capacity_bytes < 1 << 20:
             raise InvalidArgument("dram.capacity_bytes must be at least 1MiB")
         if self.limits.chunk_bytes <= 0 or self.limits.max_keys_per_call <= 0:
-            raise InvalidArgument("limits.chunk_bytes and limits.max_keys_per_call must be positive")
+            raise InvalidArgument(
+                "limits.chunk_bytes and limits.max_keys_per_call must be positive"
+            )
         if self.limits.max_message_bytes < self.limits.chunk_bytes + (1 << 16):
             raise InvalidArgument("limits.max_message_bytes must exceed limits.chunk_bytes + 64KiB")
         if self.io.concurrency <= 0:
@@ -199,7 +203,9 @@ class StoreConfig:
             if not self.cluster.name or "/" in self.cluster.name:
                 raise InvalidArgument("cluster.name must be non-empty and contain no '/'")
             if self.cluster.lease_ttl_s < 1 or self.cluster.etcd_timeout_ms <= 0:
-                raise InvalidArgument("cluster.lease_ttl_s and cluster.etcd_timeout_ms must be positive")
+                raise InvalidArgument(
+                    "cluster.lease_ttl_s and cluster.etcd_timeout_ms must be positive"
+                )
         return self
 
 
@@ -211,6 +217,7 @@ def _user() -> str:
 
 
 # ---- building the tree from layered sources ---------------------------------------------------
+
 
 def _coerce(value: object, annotation: object, where: str) -> object:
     if annotation is bool:

@@ -53,7 +53,9 @@ class EventLog:
         """Append an event and wake watchers. Mutates the ring; never blocks on readers."""
         with self._cond:
             self._seq += 1
-            self._ring.append(Event(self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes))
+            self._ring.append(
+                Event(self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes)
+            )
             self._cond.notify_all()
 
     def publish_many(

@@ -114,7 +114,9 @@ class LaneServer:
                     conn.close()
                     return
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="strata-lane", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="strata-lane", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -137,13 +139,21 @@ class LaneServer:
     def _dispatch(self, method: int, payload: bytes) -> tuple[int, int, bytes]:
         handler = self._handlers.get(method)
         if handler is None:
-            return grpc.StatusCode.UNIMPLEMENTED.value[0], 0, f"unknown lane method {method}".encode()
+            return (
+                grpc.StatusCode.UNIMPLEMENTED.value[0],
+                0,
+                f"unknown lane method {method}".encode(),
+            )
         req_type, fn = handler
         context = _LaneContext()
         try:
             request = req_type.FromString(payload)
         except Exception as exc:  # protobuf's DecodeError and friends
-            return grpc.StatusCode.INVALID_ARGUMENT.value[0], 0, f"malformed request: {exc}".encode()
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                0,
+                f"malformed request: {exc}".encode(),
+            )
         try:
             reply = fn(request, context)
         except _Abort as abort:

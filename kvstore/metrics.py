@@ -19,7 +19,11 @@ from prometheus_client.exposition import start_http_server
 from kvstore.keys import IoClass, Tier
 
 TIER_NAMES = {Tier.GPU: "gpu", Tier.DRAM: "dram", Tier.SSD: "ssd"}
-CLASS_NAMES = {IoClass.CRITICAL: "critical", IoClass.NORMAL: "normal", IoClass.BACKGROUND: "background"}
+CLASS_NAMES = {
+    IoClass.CRITICAL: "critical",
+    IoClass.NORMAL: "normal",
+    IoClass.BACKGROUND: "background",
+}
 
 
 @dataclass(slots=True)
@@ -30,7 +34,9 @@ class StoreCounters:
     misses: dict[Tier, int] = field(default_factory=lambda: defaultdict(int))
     evictions: dict[Tier, int] = field(default_factory=lambda: defaultdict(int))
     # (path, direction, io class) -> bytes; path is shm | grpc | ssd | gpu
-    bytes_moved: dict[tuple[str, str, IoClass], int] = field(default_factory=lambda: defaultdict(int))
+    bytes_moved: dict[tuple[str, str, IoClass], int] = field(
+        default_factory=lambda: defaultdict(int)
+    )
     demotions: dict[tuple[Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
     promotions: dict[tuple[Tier, Tier], int] = field(default_factory=lambda: defaultdict(int))
     corrupt_dropped: int = 0
@@ -77,12 +83,19 @@ class StoreCollector:
             moved = dict(c.bytes_moved)
             demotions = dict(c.demotions)
             promotions = dict(c.promotions)
-            scalars = (c.corrupt_dropped, c.lease_expiries, c.lookups, c.lookup_hit_pages, c.refused_full)
+            scalars = (
+                c.corrupt_dropped,
+                c.lease_expiries,
+                c.lookups,
+                c.lookup_hit_pages,
+                c.refused_full,
+            )
         yield _per_tier("strata_hits", "Pages found, by the tier that served them", hits)
         yield _per_tier("strata_misses", "Pages looked for in a tier and not found there", misses)
         yield _per_tier("strata_evictions", "Pages that left a tier to make room", evictions)
         fam = CounterMetricFamily(
-            "strata_bytes", "Payload bytes moved, by path, direction and I/O class",
+            "strata_bytes",
+            "Payload bytes moved, by path, direction and I/O class",
             labels=["path", "direction", "io_class"],
         )
         for (path, direction, io_class), value in sorted(moved.items()):
@@ -98,17 +111,22 @@ class StoreCollector:
             yield fam
         corrupt, expiries, lookups, lookup_hits, refused = scalars
         yield CounterMetricFamily(
-            "strata_corrupt_pages_dropped", "Pages that failed verification and were dropped",
+            "strata_corrupt_pages_dropped",
+            "Pages that failed verification and were dropped",
             value=corrupt,
         )
         yield CounterMetricFamily("strata_lease_expiries", "Leases that ran out", value=expiries)
         yield CounterMetricFamily("strata_lookups", "Lookup calls", value=lookups)
-        yield CounterMetricFamily("strata_lookup_hit_pages", "Pages hit by lookups", value=lookup_hits)
+        yield CounterMetricFamily(
+            "strata_lookup_hit_pages", "Pages hit by lookups", value=lookup_hits
+        )
         yield CounterMetricFamily(
             "strata_writes_refused_full", "Writes refused because a tier was full", value=refused
         )
         used = GaugeMetricFamily("strata_tier_used_bytes", "Bytes in use per tier", labels=["tier"])
-        cap = GaugeMetricFamily("strata_tier_capacity_bytes", "Byte budget per tier", labels=["tier"])
+        cap = GaugeMetricFamily(
+            "strata_tier_capacity_bytes", "Byte budget per tier", labels=["tier"]
+        )
         pages = GaugeMetricFamily("strata_tier_pages", "Pages resident per tier", labels=["tier"])
         for gauge in self._tiers():
             name = TIER_NAMES[gauge.tier]
@@ -158,7 +176,9 @@ def make_registry(
     return registry
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Callable[[], None], int]:
+def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int
+) -> tuple[Callable[[], None], int]:
     """Start the /metrics HTTP endpoint; returns (stop, bound port). Port 0 picks a free port."""
     server, thread = start_http_server(port, addr=host, registry=registry)
     bound = int(server.server_address[1])

@@ -125,7 +125,9 @@ class Tiers:
             except CapacityExhausted:
                 dst = None
             if dst is not None:
-                self.gpu.read_into(offset, entry.payload_bytes, self.dram.view(dst, entry.payload_bytes))
+                self.gpu.read_into(
+                    offset, entry.payload_bytes, self.dram.view(dst, entry.payload_bytes)
+                )
                 self.index.set_residency(entry.key, Tier.DRAM, dst)
             elif not entry.ssd:
                 self.drop(entry, reason_tier=Tier.GPU, count_eviction=False)
@@ -209,7 +211,9 @@ class Tiers:
         """Write a DRAM page to SSD and release its DRAM copy. Mutates; may raise."""
         assert self.ssd is not None and entry.dram is not None
         self.make_room_ssd(entry.payload_bytes + len(entry.header))
-        self.ssd.write(PageHeader.decode(entry.header), self.dram.view(entry.dram, entry.payload_bytes))
+        self.ssd.write(
+            PageHeader.decode(entry.header), self.dram.view(entry.dram, entry.payload_bytes)
+        )
         self.counters.add_bytes("ssd", "in", io_class, entry.payload_bytes)
         self.index.set_residency(entry.key, Tier.SSD, True)
         offset = entry.dram
@@ -219,7 +223,9 @@ class Tiers:
 
     # ---- removal ----------------------------------------------------------------------------
 
-    def drop(self, entry: PageEntry, *, reason_tier: Tier | None, count_eviction: bool = True) -> None:
+    def drop(
+        self, entry: PageEntry, *, reason_tier: Tier | None, count_eviction: bool = True
+    ) -> None:
         """Remove a page from every tier and the index. Mutates. The page must not be leased."""
         if count_eviction and reason_tier is not None:
             self._bump(self.counters.evictions, reason_tier)
@@ -254,14 +260,29 @@ class Tiers:
         out = []
         if self.gpu is not None:
             out.append(
-                TierGauge(Tier.GPU, self.gpu.capacity_bytes, self.gpu.used_bytes, self.index.pages_in(Tier.GPU))
+                TierGauge(
+                    Tier.GPU,
+                    self.gpu.capacity_bytes,
+                    self.gpu.used_bytes,
+                    self.index.pages_in(Tier.GPU),
+                )
             )
         out.append(
-            TierGauge(Tier.DRAM, self.dram.capacity_bytes, self.dram.used_bytes, self.index.pages_in(Tier.DRAM))
+            TierGauge(
+                Tier.DRAM,
+                self.dram.capacity_bytes,
+                self.dram.used_bytes,
+                self.index.pages_in(Tier.DRAM),
+            )
         )
         if self.ssd is not None:
             out.append(
-                TierGauge(Tier.SSD, self.ssd.capacity_bytes, self.ssd.used_bytes, self.index.pages_in(Tier.SSD))
+                TierGauge(
+                    Tier.SSD,
+                    self.ssd.capacity_bytes,
+                    self.ssd.used_bytes,
+                    self.index.pages_in(Tier.SSD),
+                )
             )
         return out
 
@@ -278,4 +299,6 @@ class Tiers:
     def _move_event(self, entry: PageEntry, src: Tier, dst: Tier, *, demotion: bool) -> None:
         with self.counters.lock:
             (self.counters.demotions if demotion else self.counters.promotions)[(src, dst)] += 1
-        self.events.publish(EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, src, dst)
+        self.events.publish(
+            EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, src, dst
+        )

@@ -176,8 +176,13 @@ class Mover:
                 if ok and self._tiers.index.get(key) is entry:
                     self._tiers.index.set_residency(key, Tier.SSD, True)
                 self._unpin(key)
-                if ok and clear_dram and self._tiers.index.get(key) is entry and entry.leases == 0 \
-                        and entry.dram is not None:
+                if (
+                    ok
+                    and clear_dram
+                    and self._tiers.index.get(key) is entry
+                    and entry.leases == 0
+                    and entry.dram is not None
+                ):
                     # already on SSD: frees the DRAM copy, counts the demotion, tells watchers
                     self._tiers.demote_dram(entry)
         return ok

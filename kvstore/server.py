@@ -100,7 +100,9 @@ def _probe_port(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise Unavailable(f"cannot listen on {host}:{port}: {exc.strerror} (another daemon?)") from None
+            raise Unavailable(
+                f"cannot listen on {host}:{port}: {exc.strerror} (another daemon?)"
+            ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +122,9 @@ class Daemon:
         if config.server.port == 0 and not config.dram.segment_name:
             # an ephemeral port gets an ephemeral, unique segment (parallel tests, benchmarks)
             unique = f"strata-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            config = dataclasses.replace(config, dram=dataclasses.replace(config.dram, segment_name=unique))
+            config = dataclasses.replace(
+                config, dram=dataclasses.replace(config.dram, segment_name=unique)
+            )
         self.config = config
         self.store: Store | None = None
         self.server: grpc.Server | None = None
@@ -145,7 +149,9 @@ class Daemon:
             sock_str = ""
             if sock is not None:
                 sock_str = str(
-                    sock if cfg.server.port else sock.with_name(f"strata-{uuid.uuid4().hex[:8]}.sock")
+                    sock
+                    if cfg.server.port
+                    else sock.with_name(f"strata-{uuid.uuid4().hex[:8]}.sock")
                 )
             server, port, health_servicer, service = create_server(
                 cfg, store, local_address=f"{SCHEME}{sock_str}" if sock_str else ""
@@ -155,7 +161,9 @@ class Daemon:
                 try:
                     self._lane.start()
                 except OSError as exc:
-                    log.warning("no same-host lane at %s (%s); local clients use gRPC", sock_str, exc)
+                    log.warning(
+                        "no same-host lane at %s (%s); local clients use gRPC", sock_str, exc
+                    )
                     self._lane = None
                     service.node = dataclasses.replace(service.node, local_address="")
             if cfg.server.ucx:
@@ -209,8 +217,12 @@ class Daemon:
         )
         log.info(
             "serving on %s (local %s, ucx %s); tiers: %s; %d pages rebuilt from SSD; metrics %s",
-            self.info.address, local or "none", service.node.ucx_address or "off",
-            self.describe_tiers(), store.rebuilt_pages, metrics_url or "off",
+            self.info.address,
+            local or "none",
+            service.node.ucx_address or "off",
+            self.describe_tiers(),
+            store.rebuilt_pages,
+            metrics_url or "off",
         )
         return self.info
 

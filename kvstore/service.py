@@ -156,8 +156,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
             server_version=SERVER_VERSION,
             tiers=[
                 store_pb2.TierInfo(
-                    tier=_pb_tier(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
-                    pages=g.pages, device=gpu.device if g.tier is Tier.GPU and gpu else "",
+                    tier=_pb_tier(g.tier),
+                    capacity_bytes=g.capacity_bytes,
+                    used_bytes=g.used_bytes,
+                    pages=g.pages,
+                    device=gpu.device if g.tier is Tier.GPU and gpu else "",
                 )
                 for g in stats.tiers
             ],
@@ -182,7 +185,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> store_pb2.LookupResponse:
         outcome = self.store.lookup(_digest(request.scope_digest), unpack_keys(request.keys))
-        return store_pb2.LookupResponse(hit_count=outcome.hit_count, tiers=[_pb_tier(t) for t in outcome.tiers])
+        return store_pb2.LookupResponse(
+            hit_count=outcome.hit_count, tiers=[_pb_tier(t) for t in outcome.tiers]
+        )
 
     # ---- remote data path -------------------------------------------------------------------
 
@@ -309,8 +314,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
             served += page.length
             pages.append(
                 store_pb2.AcquiredPage(
-                    present=True, tier=_pb_tier(page.tier), segment=0, offset=page.offset,
-                    length=page.length, header=page.header,
+                    present=True,
+                    tier=_pb_tier(page.tier),
+                    segment=0,
+                    offset=page.offset,
+                    length=page.length,
+                    header=page.header,
                 )
             )
         self.store.counters.add_bytes("shm", "out", io_class, served)
@@ -356,8 +365,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
         with c.lock:
             tiers = [
                 store_pb2.TierStats(
-                    tier=_pb_tier(g.tier), capacity_bytes=g.capacity_bytes, used_bytes=g.used_bytes,
-                    pages=g.pages, hits=c.hits.get(g.tier, 0), misses=c.misses.get(g.tier, 0),
+                    tier=_pb_tier(g.tier),
+                    capacity_bytes=g.capacity_bytes,
+                    used_bytes=g.used_bytes,
+                    pages=g.pages,
+                    hits=c.hits.get(g.tier, 0),
+                    misses=c.misses.get(g.tier, 0),
                     evictions=c.evictions.get(g.tier, 0),
                 )
                 for g in stats.tiers
@@ -389,8 +402,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 if scope and ev.scope_digest != scope:
                     continue
                 yield store_pb2.Event(
-                    seq=ev.seq, kind=store_pb2.EventKind.ValueType(int(ev.kind)), key=ev.key, scope_digest=ev.scope_digest,
-                    from_tier=_pb_tier(ev.from_tier), to_tier=_pb_tier(ev.to_tier),
+                    seq=ev.seq,
+                    kind=store_pb2.EventKind.ValueType(int(ev.kind)),
+                    key=ev.key,
+                    scope_digest=ev.scope_digest,
+                    from_tier=_pb_tier(ev.from_tier),
+                    to_tier=_pb_tier(ev.to_tier),
                     size_bytes=ev.size_bytes,
                 )
 
@@ -434,7 +451,9 @@ class _PutWriter:
     def _begin_page(self, chunk: store_pb2.PageChunk | ChunkView) -> None:
         if not chunk.header:
             raise InvalidArgument(f"page {chunk.index}: the first chunk must carry the header")
-        res = self._store.reserve(self._scope, [chunk.header], self._store.config.limits.max_lease_ttl_ms)
+        res = self._store.reserve(
+            self._scope, [chunk.header], self._store.config.limits.max_lease_ttl_ms
+        )
         self._index = chunk.index
         self._header = PageHeader.decode(chunk.header)
         self._received = 0
@@ -474,7 +493,9 @@ class _PutWriter:
     def finish(self, page_count: int) -> list[store_pb2.PutStatus.ValueType]:
         self._end_page()
         if len(self._statuses) != page_count:
-            raise InvalidArgument(f"put announced {page_count} pages but sent {len(self._statuses)}")
+            raise InvalidArgument(
+                f"put announced {page_count} pages but sent {len(self._statuses)}"
+            )
         return self._statuses
 
     def abort(self) -> None:

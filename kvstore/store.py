@@ -150,7 +150,13 @@ class Store:
                 ssd.close()
             raise
         self.tiers = Tiers(
-            self.index, dram, ssd, gpu, make_admission(config.ssd.admission), self.counters, self.events
+            self.index,
+            dram,
+            ssd,
+            gpu,
+            make_admission(config.ssd.admission),
+            self.counters,
+            self.events,
         )
         self._pending: dict[int, list[_Pending | None]] = {}
         self._pending_class: dict[int, IoClass] = {}  # I/O class each reservation was made in
@@ -174,7 +180,9 @@ class Store:
         if result.dropped:
             with self.counters.lock:
                 self.counters.corrupt_dropped += result.dropped
-            log.warning("dropped %d unreadable SSD pages while rebuilding the index", result.dropped)
+            log.warning(
+                "dropped %d unreadable SSD pages while rebuilding the index", result.dropped
+            )
         for header in result.headers:
             self.index.insert(
                 PageEntry(
@@ -300,7 +308,10 @@ class Store:
         return PutPlan(scope, tuple(headers), tuple(new), need)
 
     def reserve(
-        self, scope: Scope, raw_headers: Sequence[bytes], lease_ms: int = 0,
+        self,
+        scope: Scope,
+        raw_headers: Sequence[bytes],
+        lease_ms: int = 0,
         io_class: IoClass = IoClass.NORMAL,
     ) -> Reservation:
         """Reserve DRAM slots for the new pages among `raw_headers`. Mutates; takes a RESERVE lease.
@@ -311,8 +322,12 @@ class Store:
         plan = self.plan_put(scope, raw_headers)
         with self._lock:
             self.reap_leases()
-            new = [i for i in plan.new if plan.headers[i].key not in self.index
-                   and plan.headers[i].key not in self._pending_keys]
+            new = [
+                i
+                for i in plan.new
+                if plan.headers[i].key not in self.index
+                and plan.headers[i].key not in self._pending_keys
+            ]
             granted: list[_Pending | None] = [None] * len(plan.headers)
             try:
                 for i in new:
@@ -330,13 +345,18 @@ class Store:
             self._pending_class[lease.lease_id] = io_class
             self._pending_keys.update(keys)
         slots = tuple(
-            SlotGrant(True, p.offset, p.header.payload_bytes) if p is not None else SlotGrant(False, 0, 0)
+            SlotGrant(True, p.offset, p.header.payload_bytes)
+            if p is not None
+            else SlotGrant(False, 0, 0)
             for p in granted
         )
         return Reservation(lease.lease_id, slots, self._unix_ms(lease))
 
     def commit(
-        self, lease_id: int, tier: Tier | None = None, io_class: IoClass | None = None,
+        self,
+        lease_id: int,
+        tier: Tier | None = None,
+        io_class: IoClass | None = None,
         path: str = "shm",
     ) -> int:
         """Make a reservation's pages visible. Mutates; ends the lease. Returns pages stored.
@@ -380,8 +400,14 @@ class Store:
                 )
                 stored += 1
                 events.append(
-                    (EventKind.STORED, key, pending.header.scope_digest,
-                     pending.header.payload_bytes, None, Tier.DRAM)
+                    (
+                        EventKind.STORED,
+                        key,
+                        pending.header.scope_digest,
+                        pending.header.payload_bytes,
+                        None,
+                        Tier.DRAM,
+                    )
                 )
                 if tier is not None or self.write_mode is WriteMode.WRITE_THROUGH:
                     self.events.publish_many(events)  # STORED before any MOVED of placing it
@@ -423,7 +449,10 @@ class Store:
     # ---- reads: acquire, release ------------------------------------------------------------
 
     def acquire(
-        self, scope_digest: bytes, keys: Sequence[bytes], io_class: IoClass = IoClass.NORMAL,
+        self,
+        scope_digest: bytes,
+        keys: Sequence[bytes],
+        io_class: IoClass = IoClass.NORMAL,
         lease_ms: int = 0,
     ) -> Acquisition:
         """Pin each present page in DRAM under one READ lease. Mutates (promotes SSD/GPU hits).
@@ -480,7 +509,9 @@ class Store:
             lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
         return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
 
-    def _read_ssd(self, keys: list[bytes], idx: list[int], io_class: IoClass) -> dict[int, bytes | None]:
+    def _read_ssd(
+        self, keys: list[bytes], idx: list[int], io_class: IoClass
+    ) -> dict[int, bytes | None]:
         """Read and verify pinned SSD pages, lock free. None marks a corrupt page."""
         ssd = self.tiers.ssd
         out: dict[int, bytes | None] = {}
@@ -572,7 +603,9 @@ class Store:
         if (keys is None) == (scope_digest is None):
             raise InvalidArgument("delete needs exactly one of keys or scope_digest")
         with self._lock:
-            targets = list(keys) if keys is not None else self.index.keys_of_scope(scope_digest or b"")
+            targets = (
+                list(keys) if keys is not None else self.index.keys_of_scope(scope_digest or b"")
+            )
             if keys is not None:
                 self._check_keys(targets)
             deleted = 0
@@ -616,7 +649,9 @@ class Store:
         """Count pages served by their tier; every faster tier present was consulted and missed."""
         if not tiers:
             return
-        faster = [t for t in (Tier.GPU, Tier.DRAM) if t is not Tier.GPU or self.tiers.gpu is not None]
+        faster = [
+            t for t in (Tier.GPU, Tier.DRAM) if t is not Tier.GPU or self.tiers.gpu is not None
+        ]
         with self.counters.lock:
             for tier in tiers:
                 self.counters.hits[tier] += 1

@@ -1,22 +1,20 @@
 """The daemon's end of the UCX bulk data path (framing in client/ucx_protocol.py).
 
-A ucxx listener on its own asyncio loop, in its own thread. Each connected endpoint is served
+A ucxx listener on the process's UCX loop (client/ucx_runtime.py). Each connected endpoint is served
 one request at a time: a get acquires its pages, sends them straight from their DRAM slots and
 releases them; a put reserves DRAM slots, receives each payload straight into its slot, verifies
 every checksum (a network receive), then commits — or aborts and stores nothing. Typed errors go
 back as ERROR frames; the connection stays usable. A client that disconnects mid-transfer only
 ends its own connection: its leases are released or aborted, the daemon keeps serving.
 
-`ucxx` is imported here only, and only by `start()`: a daemon without it serves gRPC alone.
+`ucxx` is imported only by `start()`: a daemon without it serves gRPC alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,9 +39,9 @@ from client.ucx_protocol import (
     format_address,
     parse_preamble,
     preamble,
-    prepare_environment,
     settle,
 )
+from client.ucx_runtime import ucx_runtime
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
 from kvstore_pb import store_pb2
@@ -66,7 +64,6 @@ class UcxServer:
         self._host = host
         self._port = port
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._listener: Any = None
         self._endpoints: set[Any] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -81,48 +78,41 @@ class UcxServer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> str:
-        prepare_environment()
-        try:
-            ucxx = importlib.import_module("ucxx")
-        except Exception as exc:  # ImportError, or a missing shared library underneath
-            raise Unavailable(f"ucxx is not usable here: {exc}") from None
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="strata-ucx", daemon=True)
-        thread.start()
-        self._loop, self._thread = loop, thread
+        ucxx, loop = ucx_runtime()  # raises Unavailable without a usable ucxx
 
         async def listen() -> Any:
             return ucxx.create_listener(self._accept, port=self._port)
 
         try:
-            self._listener = asyncio.run_coroutine_threadsafe(listen(), loop).result(_START_TIMEOUT_S)
+            self._listener = asyncio.run_coroutine_threadsafe(listen(), loop).result(
+                _START_TIMEOUT_S
+            )
         except Exception as exc:
-            self.stop()
             raise Unavailable(f"no UCX listener on port {self._port}: {exc}") from None
+        self._loop = loop
         self.address = format_address(self._host, int(self._listener.port))
         log.info("UCX data path listening at %s", self.address)
         return self.address
 
     def stop(self) -> None:
-        """Close the listener and every connection (their leases are released), end the loop."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
+        """Close the listener and every connection (their leases are released). The process's
+        UCX loop itself lives on (client/ucx_runtime.py)."""
+        loop, self._loop = self._loop, None
+        if loop is None:
             return
-        self._loop = self._thread = None
-        if loop.is_running():
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self._close(), loop).result(_STOP_TIMEOUT_S * 2)
-            loop.call_soon_threadsafe(loop.stop)
-        thread.join(_STOP_TIMEOUT_S)
-        if not thread.is_alive():
-            loop.close()
+        try:
+            asyncio.run_coroutine_threadsafe(self._close(), loop).result(_STOP_TIMEOUT_S * 2)
+        except Exception as exc:
+            log.warning("UCX listener did not close cleanly: %r", exc)
 
     async def _close(self) -> None:
         for ep in list(self._endpoints):
             with contextlib.suppress(Exception):
                 ep.abort()
         if self._handlers:
-            await asyncio.wait(list(self._handlers), timeout=_STOP_TIMEOUT_S)
+            _, pending = await asyncio.wait(list(self._handlers), timeout=_STOP_TIMEOUT_S)
+            for task in pending:
+                task.cancel()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -228,7 +218,9 @@ class UcxServer:
             except DecodeError:
                 raise InvalidArgument("malformed PutBegin") from None
             if begin.page_count != page_count:
-                raise InvalidArgument(f"PutBegin announces {begin.page_count} pages, sent {page_count}")
+                raise InvalidArgument(
+                    f"PutBegin announces {begin.page_count} pages, sent {page_count}"
+                )
             scope = store.scope_of(begin.scope)
             io = io_class_from_wire(begin.io_class)
             tier = tier_from_wire(begin.tier)

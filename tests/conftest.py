@@ -34,8 +34,13 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 
-def make_scope(namespace: str = "", *, model_id: str = "test/tiny", layout: KVLayout = LAYOUT,
-               kv_dtype: str = "float16") -> Scope:
+def make_scope(
+    namespace: str = "",
+    *,
+    model_id: str = "test/tiny",
+    layout: KVLayout = LAYOUT,
+    kv_dtype: str = "float16",
+) -> Scope:
     return Scope(
         model_id=model_id,
         weights_revision="w1",

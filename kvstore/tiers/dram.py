@@ -59,7 +59,10 @@ class DramTier(SlotSpace):
             # on some later write) and map it populated, so no copy pays for page faults.
             os.posix_fallocate(fd, 0, size)
             self._map: mmap.mmap | None = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                fd,
+                size,
+                flags=mmap.MAP_SHARED | _MAP_POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         except OSError as exc:
             os.close(fd)

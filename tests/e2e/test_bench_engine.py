@@ -41,8 +41,20 @@ def test_decode_rate_counts_tokens_after_the_first_step() -> None:
 def test_bench_engine_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     argv = [
-        "--preset", "tiny", "--prompt-tokens", str(PROMPT_TOKENS), "--reps", "2",
-        "--decode-reps", "1", "--new-tokens", "3", "--batch", "2", "--json", str(out),
+        "--preset",
+        "tiny",
+        "--prompt-tokens",
+        str(PROMPT_TOKENS),
+        "--reps",
+        "2",
+        "--decode-reps",
+        "1",
+        "--new-tokens",
+        "3",
+        "--batch",
+        "2",
+        "--json",
+        str(out),
     ]
     assert main(argv) == 0
     printed = capsys.readouterr()
@@ -60,7 +72,9 @@ def test_bench_engine_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
     no_cache, dram, ssd = bench["ttft"]
     assert [t["name"] for t in bench["ttft"]] == [
-        "TTFT no cache", "TTFT full hit, DRAM", "TTFT full hit, SSD",
+        "TTFT no cache",
+        "TTFT full hit, DRAM",
+        "TTFT full hit, SSD",
     ]
     assert (no_cache["hit_tokens"], no_cache["computed_tokens"]) == (0, PROMPT_TOKENS)
     for hit in (dram, ssd):

@@ -45,8 +45,10 @@ def test_serve_starts_prints_and_serves_both_paths(tmp_path: Path) -> None:
         assert proc.metrics_url.startswith("http://127.0.0.1:"), text
         assert proc.local_address, text
         assert os.path.exists(f"/dev/shm/{proc.segment}")
-        with StoreClient(proc.address, shared_memory=True) as shm, \
-                StoreClient(proc.address, shared_memory=False, ucx=False) as rpc:
+        with (
+            StoreClient(proc.address, shared_memory=True) as shm,
+            StoreClient(proc.address, shared_memory=False, ucx=False) as rpc,
+        ):
             shm.connect()
             rpc.connect()
             assert (shm.transport, rpc.transport) == ("shm", "grpc")
@@ -71,8 +73,10 @@ def test_kill_9_then_restart_serves_ssd_pages(tmp_path: Path) -> None:
     burst = singles(scope, 24, seed=44)  # in flight (or not) when the daemon dies
     proc = DaemonProcess(data, dram="32MiB", ssd="64MiB", extra=["--write-through"]).start()
     try:
-        with StoreClient(proc.address, shared_memory=True) as shm, \
-                StoreClient(proc.address, shared_memory=False, ucx=False) as rpc:
+        with (
+            StoreClient(proc.address, shared_memory=True) as shm,
+            StoreClient(proc.address, shared_memory=False, ucx=False) as rpc,
+        ):
             assert shm.put(scope, flushed_wt).stored == 6
             assert rpc.put(scope, flushed_ssd, tier=Tier.SSD).stored == 4
             assert wait_for(lambda: ssd_pages(rpc) == 10, timeout_s=30), rpc.stats()
@@ -83,9 +87,11 @@ def test_kill_9_then_restart_serves_ssd_pages(tmp_path: Path) -> None:
     finally:
         proc.kill()
 
-    with DaemonProcess(data, dram="32MiB", ssd="64MiB") as again, \
-            StoreClient(again.address, shared_memory=True) as shm, \
-            StoreClient(again.address, shared_memory=False) as rpc:
+    with (
+        DaemonProcess(data, dram="32MiB", ssd="64MiB") as again,
+        StoreClient(again.address, shared_memory=True) as shm,
+        StoreClient(again.address, shared_memory=False) as rpc,
+    ):
         stats = rpc.stats()
         assert stats.corrupt_dropped == 0
         assert 10 <= stats.pages <= 10 + len(burst)  # rebuilt from the SSD pages' headers
@@ -98,8 +104,9 @@ def test_kill_9_then_restart_serves_ssd_pages(tmp_path: Path) -> None:
             assert all(g is None or g == p.payload for g, p in zip(got, burst, strict=True))
             into = buffers(scope, len(burst))
             result = client.get(scope, keys_of(burst), into, verify=True)
-            assert all(h is None or h == p.header for h, p in zip(result.headers, burst,
-                                                                  strict=True))
+            assert all(
+                h is None or h == p.header for h, p in zip(result.headers, burst, strict=True)
+            )
             assert client.corrupt_pages == 0
         assert rpc.stats().corrupt_dropped == 0
         # and the restarted daemon takes new writes
@@ -158,8 +165,14 @@ print("results", sorted(job.value for job in jobs))
 client.close()
 """
     with DaemonProcess(tmp_path / "data", dram="32MiB", ssd="64MiB") as proc:
-        done = subprocess.run([sys.executable, "-c", script, proc.address], capture_output=True,
-                              text=True, timeout=120, check=False, cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, "-c", script, proc.address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=REPO,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert "results " + str([(3, True, 3)] * 8) in done.stdout
         with StoreClient(proc.address, shared_memory=False) as rpc:

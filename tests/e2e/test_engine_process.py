@@ -32,7 +32,7 @@ _ADDRESS = re.compile(r"^strata \w+ serving on (\S+)")
 
 class WorkerProcess:
     """A `strata <role>` child on loopback, port 0. `start()` returns at once; `ready()` waits
-    for the line that names its address."""
+    for its whole start-up banner (address, model, store)."""
 
     def __init__(self, role: str, model: Path, store: str, extra: Sequence[str] = ()) -> None:
         self.role = role
@@ -72,6 +72,7 @@ class WorkerProcess:
             self.output.append(line.rstrip())
             if not self.address and (m := _ADDRESS.search(line)):
                 self.address = m.group(1)
+            if self.address and "stop with Ctrl-C" in line:  # the banner's last line
                 self._ready.set()
         self._ready.set()
 

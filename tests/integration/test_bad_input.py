@@ -117,8 +117,9 @@ def assert_code(call: Callable[[], object], code: grpc.StatusCode, match: str = 
     assert match.lower() in (err.details() or "").lower(), err.details()
 
 
-def put_stream(scope_bytes: bytes, page_count: int, *chunks: pb.PageChunk,
-               tier: int = 0) -> list[pb.PutRequest]:
+def put_stream(
+    scope_bytes: bytes, page_count: int, *chunks: pb.PageChunk, tier: int = 0
+) -> list[pb.PutRequest]:
     begin = pb.PutRequest(begin=pb.PutBegin(scope=scope_bytes, page_count=page_count, tier=tier))
     return [begin, *(pb.PutRequest(chunk=c) for c in chunks)]
 
@@ -126,8 +127,12 @@ def put_stream(scope_bytes: bytes, page_count: int, *chunks: pb.PageChunk,
 def chunks_of(index: int, page: Page, size: int) -> list[pb.PageChunk]:
     data = bytes(page.payload)
     return [
-        pb.PageChunk(index=index, header=page.header.encode() if off == 0 else b"", offset=off,
-                     data=data[off : off + size])
+        pb.PageChunk(
+            index=index,
+            header=page.header.encode() if off == 0 else b"",
+            offset=off,
+            data=data[off : off + size],
+        )
         for off in range(0, len(data), size)
     ]
 
@@ -153,15 +158,24 @@ def test_bad_key_length(victim: Victim) -> None:
     v, s = victim, victim.stub
     short_key, digest = b"k" * 15, v.scope.digest
     INVALID = grpc.StatusCode.INVALID_ARGUMENT
-    assert_code(lambda: s.Lookup(pb.LookupRequest(scope_digest=digest, keys=short_key), timeout=10),
-                INVALID, "multiple of 16")
-    assert_code(lambda: s.Lookup(pb.LookupRequest(scope_digest=digest[:15], keys=b""), timeout=10),
-                INVALID, "16 bytes")
-    assert_code(lambda: s.Get(pb.GetRequest(scope_digest=digest, keys=short_key), timeout=10),
-                INVALID)
+    assert_code(
+        lambda: s.Lookup(pb.LookupRequest(scope_digest=digest, keys=short_key), timeout=10),
+        INVALID,
+        "multiple of 16",
+    )
+    assert_code(
+        lambda: s.Lookup(pb.LookupRequest(scope_digest=digest[:15], keys=b""), timeout=10),
+        INVALID,
+        "16 bytes",
+    )
+    assert_code(
+        lambda: s.Get(pb.GetRequest(scope_digest=digest, keys=short_key), timeout=10), INVALID
+    )
     assert_code(lambda: s.Get(pb.GetRequest(scope_digest=b"", keys=b"k" * 16), timeout=10), INVALID)
-    assert_code(lambda: s.Acquire(pb.AcquireRequest(scope_digest=digest, keys=short_key),
-                                  timeout=10), INVALID)
+    assert_code(
+        lambda: s.Acquire(pb.AcquireRequest(scope_digest=digest, keys=short_key), timeout=10),
+        INVALID,
+    )
     assert_code(lambda: s.Delete(pb.DeleteRequest(keys=short_key), timeout=10), INVALID)
     assert_code(lambda: s.Delete(pb.DeleteRequest(scope_digest=digest + b"x"), timeout=10), INVALID)
     assert_code(lambda: s.Delete(pb.DeleteRequest(), timeout=10), INVALID)
@@ -180,11 +194,15 @@ def test_truncated_packed_keys(victim: Victim) -> None:
     packed = b"".join(keys_of(v.committed[:3]))[:-8]  # 2.5 keys
     digest = v.scope.digest
     INVALID = grpc.StatusCode.INVALID_ARGUMENT
-    assert_code(lambda: s.Lookup(pb.LookupRequest(scope_digest=digest, keys=packed), timeout=10),
-                INVALID, "multiple of 16")
+    assert_code(
+        lambda: s.Lookup(pb.LookupRequest(scope_digest=digest, keys=packed), timeout=10),
+        INVALID,
+        "multiple of 16",
+    )
     assert_code(lambda: s.Get(pb.GetRequest(scope_digest=digest, keys=packed), timeout=10), INVALID)
-    assert_code(lambda: s.Acquire(pb.AcquireRequest(scope_digest=digest, keys=packed), timeout=10),
-                INVALID)
+    assert_code(
+        lambda: s.Acquire(pb.AcquireRequest(scope_digest=digest, keys=packed), timeout=10), INVALID
+    )
     # a delete whose key list is truncated deletes nothing, not the keys that did parse
     assert_code(lambda: s.Delete(pb.DeleteRequest(keys=packed), timeout=10), INVALID)
     assert v.rpc.lookup(v.scope, keys_of(v.committed[:6])).hit_count == 6
@@ -199,12 +217,18 @@ def test_garbage_header_bytes(victim: Victim) -> None:
     flipped = bytearray(raw)
     flipped[60] ^= 0xFF  # inside the key: the header checksum no longer matches
     for header in (os.urandom(300), raw[:40], raw[:-1], bytes(flipped), b""):
-        assert_code(lambda header=header: s.Reserve(
-            pb.ReserveRequest(scope=v.scope.encode(), headers=[raw, header]), timeout=10),
-            grpc.StatusCode.INVALID_ARGUMENT, "header")
+        assert_code(
+            lambda header=header: s.Reserve(
+                pb.ReserveRequest(scope=v.scope.encode(), headers=[raw, header]), timeout=10
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "header",
+        )
         chunk = pb.PageChunk(index=0, header=header, offset=0, data=bytes(good.payload))
-        assert_code(lambda chunk=chunk: s.Put(iter(put_stream(v.scope.encode(), 1, chunk)),
-                                              timeout=10), grpc.StatusCode.INVALID_ARGUMENT)
+        assert_code(
+            lambda chunk=chunk: s.Put(iter(put_stream(v.scope.encode(), 1, chunk)), timeout=10),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
     # the good header next to the garbage was not reserved or stored either
     assert v.rpc.lookup(v.scope, [good.header.key]).hit_count == 0
     assert_no_leftovers(v)
@@ -222,8 +246,11 @@ def test_put_stream_without_put_begin(victim: Victim) -> None:
     twice = [*put_stream(v.scope.encode(), 1), pb.PutRequest(begin=pb.PutBegin(scope=b"x"))]
     assert_code(lambda: s.Put(iter(twice), timeout=10), INVALID, "PutBegin")
     # announced 2 pages, sent 1: the page that arrived whole is stored, the call still fails
-    assert_code(lambda: s.Put(iter(put_stream(v.scope.encode(), 2, chunk)), timeout=10), INVALID,
-                "announced 2")
+    assert_code(
+        lambda: s.Put(iter(put_stream(v.scope.encode(), 2, chunk)), timeout=10),
+        INVALID,
+        "announced 2",
+    )
     assert_no_leftovers(v)
     v.assert_unharmed()
 
@@ -236,25 +263,31 @@ def test_chunks_out_of_order(victim: Victim) -> None:
     INVALID = grpc.StatusCode.INVALID_ARGUMENT
     # page 1 before page 0
     page1_first = [pb.PageChunk(index=1, header=c.header, offset=c.offset, data=c.data) for c in ca]
-    assert_code(lambda: s.Put(iter(put_stream(enc, 2, *page1_first)), timeout=10), INVALID,
-                "out of order")
+    assert_code(
+        lambda: s.Put(iter(put_stream(enc, 2, *page1_first)), timeout=10), INVALID, "out of order"
+    )
     # within a page: the third chunk comes before the second
     swapped = [ca[0], ca[2], ca[1], ca[3]]
-    assert_code(lambda: s.Put(iter(put_stream(enc, 1, *swapped)), timeout=10), INVALID,
-                "does not continue")
+    assert_code(
+        lambda: s.Put(iter(put_stream(enc, 1, *swapped)), timeout=10), INVALID, "does not continue"
+    )
     # a chunk repeated
     assert_code(lambda: s.Put(iter(put_stream(enc, 1, ca[0], ca[1], ca[1])), timeout=10), INVALID)
     # the header sent again in the middle of a page
     again = pb.PageChunk(index=0, header=a.header.encode(), offset=4 * KiB, data=ca[1].data)
-    assert_code(lambda: s.Put(iter(put_stream(enc, 1, ca[0], again)), timeout=10), INVALID,
-                "header repeated")
+    assert_code(
+        lambda: s.Put(iter(put_stream(enc, 1, ca[0], again)), timeout=10),
+        INVALID,
+        "header repeated",
+    )
     # the first chunk of a page without its header
     headless = pb.PageChunk(index=0, offset=0, data=ca[0].data)
     assert_code(lambda: s.Put(iter(put_stream(enc, 1, headless)), timeout=10), INVALID, "header")
     # page indexes skipping one (0, then 2)
     skip = [pb.PageChunk(index=2, header=c.header, offset=c.offset, data=c.data) for c in cb]
-    assert_code(lambda: s.Put(iter(put_stream(enc, 2, *ca, *skip)), timeout=10), INVALID,
-                "out of order")
+    assert_code(
+        lambda: s.Put(iter(put_stream(enc, 2, *ca, *skip)), timeout=10), INVALID, "out of order"
+    )
     assert v.rpc.lookup(v.scope, [b.header.key]).hit_count == 0
     assert_no_leftovers(v)
     v.assert_unharmed()
@@ -271,18 +304,27 @@ def test_short_payload(victim: Victim) -> None:
     enc = v.scope.encode()
     INVALID = grpc.StatusCode.INVALID_ARGUMENT
     # half a payload, then the stream ends
-    assert_code(lambda: s.Put(iter(put_stream(enc, 1, *ca[:2])), timeout=10), INVALID,
-                f"got {8 * KiB} of {PAGE_BYTES}")
+    assert_code(
+        lambda: s.Put(iter(put_stream(enc, 1, *ca[:2])), timeout=10),
+        INVALID,
+        f"got {8 * KiB} of {PAGE_BYTES}",
+    )
     # half a payload, then the next page
-    assert_code(lambda: s.Put(iter(put_stream(enc, 2, *ca[:2], *chunks_of(1, b, PAGE_BYTES))),
-                              timeout=10), INVALID, f"got {8 * KiB} of {PAGE_BYTES}")
+    assert_code(
+        lambda: s.Put(iter(put_stream(enc, 2, *ca[:2], *chunks_of(1, b, PAGE_BYTES))), timeout=10),
+        INVALID,
+        f"got {8 * KiB} of {PAGE_BYTES}",
+    )
     # more bytes than the header says
     extra = pb.PageChunk(index=0, offset=PAGE_BYTES, data=b"x")
     assert_code(lambda: s.Put(iter(put_stream(enc, 1, *ca, extra)), timeout=10), INVALID)
     # right length, wrong bytes: fails the checksum (DATA_LOSS), counted, not stored
     wrong = pb.PageChunk(index=0, header=a.header.encode(), offset=0, data=os.urandom(PAGE_BYTES))
-    assert_code(lambda: s.Put(iter(put_stream(enc, 1, wrong)), timeout=10),
-                grpc.StatusCode.DATA_LOSS, "checksum")
+    assert_code(
+        lambda: s.Put(iter(put_stream(enc, 1, wrong)), timeout=10),
+        grpc.StatusCode.DATA_LOSS,
+        "checksum",
+    )
     assert v.rpc.stats().corrupt_dropped == 1
     assert v.rpc.lookup(v.scope, [a.header.key]).hit_count == 0
     assert v.rpc.lookup(v.scope, [b.header.key]).hit_count == 0
@@ -296,12 +338,20 @@ def test_scope_encoding_that_does_not_decode(victim: Victim) -> None:
     enc = v.scope.encode()
     bad_scopes = [b"", b"garbage", enc[:-3], enc + b"\x00", enc.replace(b"STRATA", b"STRATB", 1)]
     for scope_bytes in bad_scopes:
-        assert_code(lambda sb=scope_bytes: s.Reserve(
-            pb.ReserveRequest(scope=sb, headers=[page.header.encode()]), timeout=10),
-            grpc.StatusCode.INVALID_ARGUMENT, "scope")
-        assert_code(lambda sb=scope_bytes: s.Put(
-            iter(put_stream(sb, 1, *chunks_of(0, page, PAGE_BYTES))), timeout=10),
-            grpc.StatusCode.INVALID_ARGUMENT, "scope")
+        assert_code(
+            lambda sb=scope_bytes: s.Reserve(
+                pb.ReserveRequest(scope=sb, headers=[page.header.encode()]), timeout=10
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "scope",
+        )
+        assert_code(
+            lambda sb=scope_bytes: s.Put(
+                iter(put_stream(sb, 1, *chunks_of(0, page, PAGE_BYTES))), timeout=10
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "scope",
+        )
     assert v.rpc.lookup(v.scope, [page.header.key]).hit_count == 0
     assert_no_leftovers(v)
     v.assert_unharmed()
@@ -372,14 +422,29 @@ def test_oversize_page(victim: Victim) -> None:
     big = make_scope(layout=KVLayout(num_layers=64, num_kv_heads=32, head_dim=256, page_tokens=64))
     assert big.page_payload_bytes > v.d.config.limits.max_page_bytes
     tokens = tuple(range(64))
-    header = PageHeader(scope_digest=big.digest, key=chain_key(big.digest, tokens),
-                        parent=big.digest, tokens=tokens, dtype="float16", layout=big.layout,
-                        payload_bytes=big.page_payload_bytes, payload_checksum=0)
-    assert_code(lambda: s.Reserve(pb.ReserveRequest(scope=big.encode(), headers=[header.encode()]),
-                                  timeout=10), grpc.StatusCode.INVALID_ARGUMENT, "max_page_bytes")
+    header = PageHeader(
+        scope_digest=big.digest,
+        key=chain_key(big.digest, tokens),
+        parent=big.digest,
+        tokens=tokens,
+        dtype="float16",
+        layout=big.layout,
+        payload_bytes=big.page_payload_bytes,
+        payload_checksum=0,
+    )
+    assert_code(
+        lambda: s.Reserve(
+            pb.ReserveRequest(scope=big.encode(), headers=[header.encode()]), timeout=10
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_page_bytes",
+    )
     chunk = pb.PageChunk(index=0, header=header.encode(), offset=0, data=b"\x00" * 1024)
-    assert_code(lambda: s.Put(iter(put_stream(big.encode(), 1, chunk)), timeout=10),
-                grpc.StatusCode.INVALID_ARGUMENT, "max_page_bytes")
+    assert_code(
+        lambda: s.Put(iter(put_stream(big.encode(), 1, chunk)), timeout=10),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_page_bytes",
+    )
     assert_no_leftovers(v)
     v.assert_unharmed()
 
@@ -391,11 +456,15 @@ def test_message_over_max_message_bytes(victim: Victim) -> None:
     assert limit == 256 * KiB
     page = singles(v.scope, 1, seed=next(_seeds))[0]
     huge = pb.PageChunk(index=0, header=page.header.encode(), offset=0, data=b"\x00" * (limit + 1))
-    assert_code(lambda: s.Put(iter(put_stream(v.scope.encode(), 1, huge)), timeout=10),
-                grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert_code(
+        lambda: s.Put(iter(put_stream(v.scope.encode(), 1, huge)), timeout=10),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
     keys = os.urandom(16) * ((limit // 16) + 1)
-    assert_code(lambda: s.Lookup(pb.LookupRequest(scope_digest=v.scope.digest, keys=keys),
-                                 timeout=10), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert_code(
+        lambda: s.Lookup(pb.LookupRequest(scope_digest=v.scope.digest, keys=keys), timeout=10),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
     assert v.rpc.lookup(v.scope, [page.header.key]).hit_count == 0
     assert_no_leftovers(v)
     v.assert_unharmed()
@@ -416,8 +485,9 @@ def test_too_many_keys_in_one_call(victim: Victim) -> None:
         lambda: s.Get(pb.GetRequest(scope_digest=digest, keys=packed), timeout=10),
         lambda: s.Acquire(pb.AcquireRequest(scope_digest=digest, keys=packed), timeout=10),
         lambda: s.Delete(pb.DeleteRequest(keys=packed), timeout=10),
-        lambda: s.Reserve(pb.ReserveRequest(scope=enc, headers=[p.header.encode() for p in pages]),
-                          timeout=10),
+        lambda: s.Reserve(
+            pb.ReserveRequest(scope=enc, headers=[p.header.encode() for p in pages]), timeout=10
+        ),
         lambda: s.Put(iter(put_stream(enc, MAX_KEYS + 1)), timeout=10),
     ]
     for call in calls:
@@ -440,12 +510,20 @@ def test_header_of_another_scope(victim: Victim) -> None:
     other = make_scope("another tenant")
     theirs = singles(other, 1, seed=next(_seeds))[0]
     INVALID = grpc.StatusCode.INVALID_ARGUMENT
-    assert_code(lambda: s.Reserve(pb.ReserveRequest(scope=v.scope.encode(),
-                                                    headers=[theirs.header.encode()]), timeout=10),
-                INVALID, "scope digest")
-    assert_code(lambda: s.Put(iter(put_stream(v.scope.encode(), 1,
-                                              *chunks_of(0, theirs, PAGE_BYTES))), timeout=10),
-                INVALID, "scope digest")
+    assert_code(
+        lambda: s.Reserve(
+            pb.ReserveRequest(scope=v.scope.encode(), headers=[theirs.header.encode()]), timeout=10
+        ),
+        INVALID,
+        "scope digest",
+    )
+    assert_code(
+        lambda: s.Put(
+            iter(put_stream(v.scope.encode(), 1, *chunks_of(0, theirs, PAGE_BYTES))), timeout=10
+        ),
+        INVALID,
+        "scope digest",
+    )
     # reading our keys under another scope's digest is a miss, never our KV
     ours = v.committed[:6]
     assert read_back(v.rpc, other, ours) == [None] * 6
@@ -460,19 +538,25 @@ def test_wrong_layout_dtype_or_size(victim: Victim) -> None:
     v, s = victim, victim.stub
     lay = v.scope.layout
     cases = {
-        "layout": forged(v.scope, layout=KVLayout(lay.num_layers, 1, lay.head_dim * 2,
-                                                  lay.page_tokens)),
+        "layout": forged(
+            v.scope, layout=KVLayout(lay.num_layers, 1, lay.head_dim * 2, lay.page_tokens)
+        ),
         "float16": forged(v.scope, dtype="bfloat16"),
         "payload": forged(v.scope, payload_bytes=PAGE_BYTES // 2),
     }
     page_tokens = lay.page_tokens
     partial_tokens = tuple(range(page_tokens - 1))
-    cases["full pages"] = forged(v.scope, tokens=partial_tokens,
-                                 key=chain_key(v.scope.digest, partial_tokens))
+    cases["full pages"] = forged(
+        v.scope, tokens=partial_tokens, key=chain_key(v.scope.digest, partial_tokens)
+    )
     for match, header in cases.items():
-        assert_code(lambda header=header: s.Reserve(
-            pb.ReserveRequest(scope=v.scope.encode(), headers=[header.encode()]), timeout=10),
-            grpc.StatusCode.INVALID_ARGUMENT, match)
+        assert_code(
+            lambda header=header: s.Reserve(
+                pb.ReserveRequest(scope=v.scope.encode(), headers=[header.encode()]), timeout=10
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            match,
+        )
     assert_no_leftovers(v)
     v.assert_unharmed()
 
@@ -485,13 +569,19 @@ def test_key_that_is_not_the_chain_key(victim: Victim) -> None:
     lying = dataclasses.replace(page.header, key=target.header.key, parent=target.header.parent)
     random_key = dataclasses.replace(page.header, key=os.urandom(16))
     for header in (lying, random_key):
-        assert_code(lambda header=header: s.Reserve(
-            pb.ReserveRequest(scope=v.scope.encode(), headers=[header.encode()]), timeout=10),
-            grpc.StatusCode.INVALID_ARGUMENT, "chain_key")
+        assert_code(
+            lambda header=header: s.Reserve(
+                pb.ReserveRequest(scope=v.scope.encode(), headers=[header.encode()]), timeout=10
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chain_key",
+        )
         chunk = pb.PageChunk(index=0, header=header.encode(), offset=0, data=bytes(page.payload))
-        assert_code(lambda chunk=chunk: s.Put(iter(put_stream(v.scope.encode(), 1, chunk)),
-                                              timeout=10), grpc.StatusCode.INVALID_ARGUMENT,
-                    "chain_key")
+        assert_code(
+            lambda chunk=chunk: s.Put(iter(put_stream(v.scope.encode(), 1, chunk)), timeout=10),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "chain_key",
+        )
     assert_no_leftovers(v)
     v.assert_unharmed()
 
@@ -507,18 +597,24 @@ def test_unknown_leases(victim: Victim) -> None:
         assert_code(lambda b=bogus: s.Renew(pb.RenewRequest(lease_id=b), timeout=10), FAILED)
         assert s.Release(pb.ReleaseRequest(lease_id=bogus), timeout=10).released is False
     # a read lease is not a reservation: Commit refuses it and leaves it as it was
-    held = s.Acquire(pb.AcquireRequest(scope_digest=v.scope.digest,
-                                       keys=b"".join(keys_of(v.committed[:2]))), timeout=10)
+    held = s.Acquire(
+        pb.AcquireRequest(scope_digest=v.scope.digest, keys=b"".join(keys_of(v.committed[:2]))),
+        timeout=10,
+    )
     assert held.lease_id
-    assert_code(lambda: s.Commit(pb.CommitRequest(lease_id=held.lease_id), timeout=10), FAILED,
-                "not a write reservation")
+    assert_code(
+        lambda: s.Commit(pb.CommitRequest(lease_id=held.lease_id), timeout=10),
+        FAILED,
+        "not a write reservation",
+    )
     assert s.Renew(pb.RenewRequest(lease_id=held.lease_id, lease_ms=5000), timeout=10)
     assert s.Release(pb.ReleaseRequest(lease_id=held.lease_id), timeout=10).released is True
     assert all(v.d.store.index.get(k).leases == 0 for k in keys_of(v.committed[:2]))  # type: ignore[union-attr]
     # a reservation commits once; then its id is unknown
     page = singles(v.scope, 1, seed=next(_seeds))[0]
-    res = s.Reserve(pb.ReserveRequest(scope=v.scope.encode(), headers=[page.header.encode()]),
-                    timeout=10)
+    res = s.Reserve(
+        pb.ReserveRequest(scope=v.scope.encode(), headers=[page.header.encode()]), timeout=10
+    )
     assert s.Release(pb.ReleaseRequest(lease_id=res.lease_id), timeout=10).released is True
     assert_code(lambda: s.Commit(pb.CommitRequest(lease_id=res.lease_id), timeout=10), FAILED)
     assert v.rpc.lookup(v.scope, [page.header.key]).hit_count == 0
@@ -526,8 +622,9 @@ def test_unknown_leases(victim: Victim) -> None:
     v.assert_unharmed()
 
 
-def test_reservation_that_expired_before_commit(daemon_factory: DaemonFactory,
-                                                scope: Scope) -> None:
+def test_reservation_that_expired_before_commit(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
     v = start_victim(daemon_factory, scope, clock=True, settings={"limits.lease_ttl_ms": "2000"})
     s, clock = v.stub, v.d.clock
     assert clock is not None
@@ -535,16 +632,19 @@ def test_reservation_that_expired_before_commit(daemon_factory: DaemonFactory,
     FAILED = grpc.StatusCode.FAILED_PRECONDITION
     blocks = v.d.store.tiers.dram.allocated_blocks
     # expired, and reaped by the store's own sweep before the Commit arrives
-    res = s.Reserve(pb.ReserveRequest(scope=scope.encode(), headers=[pages[0].header.encode()]),
-                    timeout=10)
+    res = s.Reserve(
+        pb.ReserveRequest(scope=scope.encode(), headers=[pages[0].header.encode()]), timeout=10
+    )
     assert v.d.store.tiers.dram.allocated_blocks == blocks + 1
     clock.advance(2.5)
     assert v.d.store.reap_leases() == 1
     assert v.d.store.tiers.dram.allocated_blocks == blocks  # its slot is free again
     assert_code(lambda: s.Commit(pb.CommitRequest(lease_id=res.lease_id), timeout=10), FAILED)
     # expired, not yet reaped: the Commit itself finds it expired
-    res = s.Reserve(pb.ReserveRequest(scope=scope.encode(), headers=[pages[1].header.encode()],
-                                      lease_ms=100), timeout=10)
+    res = s.Reserve(
+        pb.ReserveRequest(scope=scope.encode(), headers=[pages[1].header.encode()], lease_ms=100),
+        timeout=10,
+    )
     clock.advance(0.2)
     assert_code(lambda: s.Renew(pb.RenewRequest(lease_id=res.lease_id), timeout=10), FAILED)
     assert_code(lambda: s.Commit(pb.CommitRequest(lease_id=res.lease_id), timeout=10), FAILED)
@@ -553,8 +653,10 @@ def test_reservation_that_expired_before_commit(daemon_factory: DaemonFactory,
     assert v.rpc.lookup(scope, [pages[1].header.key]).hit_count == 0
     assert v.rpc.stats().lease_expiries == 2
     # a read lease that runs out unpins its pages
-    held = s.Acquire(pb.AcquireRequest(scope_digest=scope.digest,
-                                       keys=b"".join(keys_of(v.committed[:3]))), timeout=10)
+    held = s.Acquire(
+        pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys_of(v.committed[:3]))),
+        timeout=10,
+    )
     clock.advance(2.5)
     assert v.d.store.reap_leases() == 1
     assert all(v.d.store.index.get(k).leases == 0 for k in keys_of(v.committed[:3]))  # type: ignore[union-attr]
@@ -569,32 +671,45 @@ def test_reservation_that_expired_before_commit(daemon_factory: DaemonFactory,
 # ---- a full tier ----------------------------------------------------------------------------------
 
 
-def test_write_into_a_full_tier_with_nothing_evictable(daemon_factory: DaemonFactory,
-                                                       scope: Scope) -> None:
+def test_write_into_a_full_tier_with_nothing_evictable(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
     """SSD off, DRAM full of leased pages: writes are refused with RESOURCE_EXHAUSTED and a retry
     hint; reads still work; nothing is disturbed; once the leases go, writes go through."""
-    d = daemon_factory(dram="1MiB", ssd=None, settings={
-        "dram.high_watermark": "1.0", "dram.low_watermark": "1.0",
-    })
+    d = daemon_factory(
+        dram="1MiB",
+        ssd=None,
+        settings={
+            "dram.high_watermark": "1.0",
+            "dram.low_watermark": "1.0",
+        },
+    )
     shm, rpc, s = d.client(shared_memory=True), d.client(shared_memory=False), d.stub()
     resident = singles(scope, 64, seed=next(_seeds))
     for i in range(0, 64, 16):
         assert shm.put(scope, resident[i : i + 16]).stored == 16
-    held = s.Acquire(pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys_of(resident))),
-                     timeout=10)
+    held = s.Acquire(
+        pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys_of(resident))), timeout=10
+    )
     assert held.lease_id and all(p.present for p in held.pages)
     new = singles(scope, 1, seed=next(_seeds))
     for client in (shm, rpc):
         with pytest.raises(CapacityExhausted) as exc:
             client.put(scope, new)
         assert exc.value.retry_after_s > 0
-    err = status_of(lambda: s.Reserve(
-        pb.ReserveRequest(scope=scope.encode(), headers=[new[0].header.encode()]), timeout=10))
+    err = status_of(
+        lambda: s.Reserve(
+            pb.ReserveRequest(scope=scope.encode(), headers=[new[0].header.encode()]), timeout=10
+        )
+    )
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     trailing = dict(err.trailing_metadata() or ())
     assert int(trailing["retry-after-ms"]) > 0
-    err = status_of(lambda: s.Put(iter(put_stream(scope.encode(), 1,
-                                                  *chunks_of(0, new[0], PAGE_BYTES))), timeout=10))
+    err = status_of(
+        lambda: s.Put(
+            iter(put_stream(scope.encode(), 1, *chunks_of(0, new[0], PAGE_BYTES))), timeout=10
+        )
+    )
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(err.trailing_metadata() or ())["retry-after-ms"]) > 0
     # reads are never blocked by the full tier, and nothing moved or changed
@@ -690,19 +805,37 @@ os._exit(0)
 
 
 def test_client_that_dies_holding_leases(daemon_factory: DaemonFactory, scope: Scope) -> None:
-    d = daemon_factory(dram="1MiB", ssd=None, clock=True, settings={
-        "dram.high_watermark": "1.0", "dram.low_watermark": "1.0",
-        "limits.lease_ttl_ms": "5000",
-    })
+    d = daemon_factory(
+        dram="1MiB",
+        ssd=None,
+        clock=True,
+        settings={
+            "dram.high_watermark": "1.0",
+            "dram.low_watermark": "1.0",
+            "limits.lease_ttl_ms": "5000",
+        },
+    )
     shm, rpc = d.client(shared_memory=True), d.client(shared_memory=False)
     resident = singles(scope, 63, seed=next(_seeds))
     for i in range(0, 63, 21):
         shm.put(scope, resident[i : i + 21])
     late = singles(scope, 1, seed=next(_seeds))[0]
-    args = [d.address, d.info.segment_name, scope.digest.hex(), b"".join(keys_of(resident)).hex(),
-            scope.encode().hex(), late.header.encode().hex()]
-    done = subprocess.run([sys.executable, "-c", _DYING_CLIENT, *args], cwd=REPO, timeout=120,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    args = [
+        d.address,
+        d.info.segment_name,
+        scope.digest.hex(),
+        b"".join(keys_of(resident)).hex(),
+        scope.encode().hex(),
+        late.header.encode().hex(),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _DYING_CLIENT, *args],
+        cwd=REPO,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     read_lease, write_lease, present, reserved = done.stdout.split()
     assert int(read_lease) > 0 and int(write_lease) > 0

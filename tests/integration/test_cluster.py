@@ -108,7 +108,11 @@ def test_cluster_survives_a_crash_a_rejoin_and_an_etcd_outage(
 
     procs = {n: daemon(n) for n in ("n1", "n2", "n3")}
     client = ClusterClient(
-        etcd_endpoints=etcd.url, cluster="t", replicas=2, timeout_s=3.0, down_s=1.0,
+        etcd_endpoints=etcd.url,
+        cluster="t",
+        replicas=2,
+        timeout_s=3.0,
+        down_s=1.0,
         watch_idle_s=0.5,
     )
     try:
@@ -161,7 +165,8 @@ def test_cluster_survives_a_crash_a_rejoin_and_an_etcd_outage(
         assert _read(client, scope, fourth) == [bytes(p.payload) for p in fourth]
         url = procs["n1"].metrics_url
         assert wait_for(
-            lambda: _metric(url, "strata_cluster_membership_stale") == 1, timeout_s=6,
+            lambda: _metric(url, "strata_cluster_membership_stale") == 1,
+            timeout_s=6,
             interval_s=0.1,
         )
         assert any("membership is stale" in line for line in procs["n1"].output)

@@ -52,7 +52,9 @@ PATHS = ["shm", "grpc"]
 ABSENT = b"\xab" * 16
 
 
-def transcript(client: StoreClient, daemon: RunningDaemon, scope: Scope, pages: list[Page]) -> list[object]:
+def transcript(
+    client: StoreClient, daemon: RunningDaemon, scope: Scope, pages: list[Page]
+) -> list[object]:
     """One fixed sequence of calls; every result, as plain values."""
     keys = keys_of(pages)
     out: list[object] = []
@@ -109,8 +111,9 @@ def expected_transcript(pages: list[Page]) -> list[object]:
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_same_results_on_both_paths(path: str, daemon: RunningDaemon, clients: Clients,
-                                    scope: Scope) -> None:
+def test_same_results_on_both_paths(
+    path: str, daemon: RunningDaemon, clients: Clients, scope: Scope
+) -> None:
     pages = chain(scope, 8, seed=1)
     assert transcript(clients.by_path(path), daemon, scope, pages) == expected_transcript(pages)
 
@@ -153,14 +156,24 @@ def test_async_client(shared_memory: bool, daemon: RunningDaemon, scope: Scope) 
             return out
 
     assert asyncio.run(scenario()) == [
-        8, 8, LookupResult(3, (Tier.DRAM,) * 3), 8, None, [True] * 8, 8, 4, 4, 0,
+        8,
+        8,
+        LookupResult(3, (Tier.DRAM,) * 3),
+        8,
+        None,
+        [True] * 8,
+        8,
+        4,
+        4,
+        0,
     ]
     daemon.check()
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_lookup_reports_tier_per_page(path: str, daemon: RunningDaemon, clients: Clients,
-                                      scope: Scope) -> None:
+def test_lookup_reports_tier_per_page(
+    path: str, daemon: RunningDaemon, clients: Clients, scope: Scope
+) -> None:
     """Pages of one chain in DRAM and on SSD: lookup names each page's tier, in chain order."""
     client = clients.by_path(path)
     pages = chain(scope, 6, seed=5)
@@ -190,16 +203,18 @@ def test_delete_by_scope_leaves_other_scopes(daemon: RunningDaemon, clients: Cli
     daemon.check()
 
 
-def test_delete_while_a_reader_holds_the_pages(daemon: RunningDaemon, clients: Clients,
-                                              scope: Scope) -> None:
+def test_delete_while_a_reader_holds_the_pages(
+    daemon: RunningDaemon, clients: Clients, scope: Scope
+) -> None:
     """Deleted pages vanish for every new reader at once; a reader holding them keeps valid bytes
     until it lets go, and then they are gone."""
     pages = chain(scope, 3, seed=9)
     keys = keys_of(pages)
     clients.shm.put(scope, pages)
     stub = daemon.stub()
-    held = stub.Acquire(pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys)),
-                        timeout=10)
+    held = stub.Acquire(
+        pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys)), timeout=10
+    )
     assert held.lease_id and [p.present for p in held.pages] == [True] * 3
     assert clients.grpc.delete(keys=keys[1:]) == 2
     for client in (clients.grpc, clients.shm):
@@ -213,7 +228,9 @@ def test_delete_while_a_reader_holds_the_pages(daemon: RunningDaemon, clients: C
     assert [daemon.tier_of(k) for k in keys] == [(Tier.DRAM,), (), ()]
     assert clients.grpc.stats().pages == 1
     assert clients.shm.put(scope, pages).statuses == (
-        PutStatus.ALREADY_PRESENT, PutStatus.STORED, PutStatus.STORED,
+        PutStatus.ALREADY_PRESENT,
+        PutStatus.STORED,
+        PutStatus.STORED,
     )
     assert_intact(clients.grpc, scope, pages)
     daemon.check()
@@ -283,8 +300,9 @@ def watcher(daemon: RunningDaemon, clients: Clients) -> Iterator[Watcher]:
     w.close()
 
 
-def test_watch_sees_stored_moved_removed(daemon: RunningDaemon, clients: Clients, watcher: Watcher,
-                                         scope: Scope) -> None:
+def test_watch_sees_stored_moved_removed(
+    daemon: RunningDaemon, clients: Clients, watcher: Watcher, scope: Scope
+) -> None:
     pages = chain(scope, 3, seed=7)
     keys = keys_of(pages)
     clients.shm.put(scope, pages[:2])
@@ -299,12 +317,18 @@ def test_watch_sees_stored_moved_removed(daemon: RunningDaemon, clients: Clients
     assert_intact(clients.grpc, scope, pages[2:])  # an SSD hit is promoted into DRAM
     (promoted,) = watcher.take(1, scope)
     assert (promoted.kind, promoted.key, promoted.from_tier, promoted.to_tier) == (
-        EventKind.MOVED, keys[2], Tier.SSD, Tier.DRAM,
+        EventKind.MOVED,
+        keys[2],
+        Tier.SSD,
+        Tier.DRAM,
     )
     assert clients.shm.delete(keys=keys[:1]) == 1
     (removed,) = watcher.take(1, scope)
     assert (removed.kind, removed.key, removed.from_tier, removed.to_tier) == (
-        EventKind.REMOVED, keys[0], Tier.DRAM, None,
+        EventKind.REMOVED,
+        keys[0],
+        Tier.DRAM,
+        None,
     )
     seqs = [e.seq for e in events] + [promoted.seq, removed.seq]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
@@ -343,7 +367,9 @@ def test_watch_filters_by_scope(daemon: RunningDaemon, clients: Clients, scope: 
     clients.shm.put(scope, mine)
     first = got.get(timeout=10)
     assert (first.kind, first.key, first.scope_digest) == (
-        EventKind.STORED, mine[0].header.key, scope.digest,
+        EventKind.STORED,
+        mine[0].header.key,
+        scope.digest,
     )
     watching.close()
 
@@ -370,17 +396,23 @@ def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     return out
 
 
-def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
-           **labels: str) -> float:
+def metric(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
     return samples[(name, frozenset(labels.items()))]
 
 
 def test_prometheus_metrics(daemon_factory: DaemonFactory, scope: Scope) -> None:
     """Every counter the design names is exported, with the values the calls imply."""
     # 1 MiB DRAM = 64 pages; watermarks at 100% so only the writes below evict, deterministically.
-    d = daemon_factory(dram="1MiB", clock=True, settings={
-        "dram.high_watermark": "1.0", "dram.low_watermark": "1.0",
-    })
+    d = daemon_factory(
+        dram="1MiB",
+        clock=True,
+        settings={
+            "dram.high_watermark": "1.0",
+            "dram.low_watermark": "1.0",
+        },
+    )
     assert d.info.metrics_url.startswith("http://127.0.0.1:")
     shm, rpc = d.client(shared_memory=True), d.client(shared_memory=False)
     pages = singles(scope, 72, seed=10)
@@ -396,16 +428,30 @@ def test_prometheus_metrics(daemon_factory: DaemonFactory, scope: Scope) -> None
     bad = singles(scope, 1, seed=11)[0]
     stub = d.stub()
     with pytest.raises(grpc.RpcError) as err:
-        stub.Put(iter([
-            pb.PutRequest(begin=pb.PutBegin(scope=scope.encode(), page_count=1)),
-            pb.PutRequest(chunk=pb.PageChunk(index=0, header=bad.header.encode(), offset=0,
-                                             data=os.urandom(PAGE_BYTES))),
-        ]), timeout=10)
+        stub.Put(
+            iter(
+                [
+                    pb.PutRequest(begin=pb.PutBegin(scope=scope.encode(), page_count=1)),
+                    pb.PutRequest(
+                        chunk=pb.PageChunk(
+                            index=0,
+                            header=bad.header.encode(),
+                            offset=0,
+                            data=os.urandom(PAGE_BYTES),
+                        )
+                    ),
+                ]
+            ),
+            timeout=10,
+        )
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     # a reservation that runs out
-    stub.Reserve(pb.ReserveRequest(scope=scope.encode(),
-                                   headers=[singles(scope, 1, seed=12)[0].header.encode()]),
-                 timeout=10)
+    stub.Reserve(
+        pb.ReserveRequest(
+            scope=scope.encode(), headers=[singles(scope, 1, seed=12)[0].header.encode()]
+        ),
+        timeout=10,
+    )
     assert d.clock is not None
     d.clock.advance(3600)
     d.store.reap_leases()
@@ -419,14 +465,18 @@ def test_prometheus_metrics(daemon_factory: DaemonFactory, scope: Scope) -> None
     assert [metric(m, "strata_misses_total", tier=t) for t in ("gpu", "dram", "ssd")] == [0, 3, 1]
     # bytes by path, direction and I/O class
     assert metric(m, "strata_bytes_total", path="shm", direction="in", io_class="normal") == 64 * K
-    assert metric(m, "strata_bytes_total", path="grpc", direction="in", io_class="background") == 8 * K
+    assert (
+        metric(m, "strata_bytes_total", path="grpc", direction="in", io_class="background") == 8 * K
+    )
     assert metric(m, "strata_bytes_total", path="grpc", direction="out", io_class="normal") == 6 * K
     assert metric(m, "strata_bytes_total", path="ssd", direction="out", io_class="normal") == 2 * K
     # 8 puts past a full DRAM, 2 promotions and the corrupt put's reservation each evicted one
     # DRAM page, and every one of them was demoted to SSD (written there, counted there)
     assert metric(m, "strata_evictions_total", tier="dram") == 11
     assert metric(m, "strata_demotions_total", from_tier="dram", to_tier="ssd") == 11
-    assert metric(m, "strata_bytes_total", path="ssd", direction="in", io_class="background") == 11 * K
+    assert (
+        metric(m, "strata_bytes_total", path="ssd", direction="in", io_class="background") == 11 * K
+    )
     assert metric(m, "strata_promotions_total", from_tier="ssd", to_tier="dram") == 2
     assert metric(m, "strata_corrupt_pages_dropped_total") == 1
     assert metric(m, "strata_lease_expiries_total") == 1
@@ -441,10 +491,14 @@ def test_prometheus_metrics(daemon_factory: DaemonFactory, scope: Scope) -> None
     # the Stats RPC reads the same counters
     stats = rpc.stats()
     assert (stats.demotions, stats.promotions, stats.corrupt_dropped, stats.lease_expiries) == (
-        11, 2, 1, 1,
+        11,
+        2,
+        1,
+        1,
     )
     assert {t.tier: (t.hits, t.misses, t.evictions) for t in stats.tiers} == {
-        Tier.DRAM: (4, 3, 11), Tier.SSD: (2, 1, 0),
+        Tier.DRAM: (4, 3, 11),
+        Tier.SSD: (2, 1, 0),
     }
 
 
@@ -460,8 +514,9 @@ def test_health_check_serving(daemon: RunningDaemon) -> None:
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_same_host_put_is_counted_in_its_io_class(daemon: RunningDaemon, clients: Clients,
-                                                 scope: Scope) -> None:
+def test_same_host_put_is_counted_in_its_io_class(
+    daemon: RunningDaemon, clients: Clients, scope: Scope
+) -> None:
     pages = chain(scope, 2, seed=12)
     clients.shm.put(scope, pages, io_class=IoClass.BACKGROUND)
     clients.grpc.put(scope, chain(scope, 2, seed=13), io_class=IoClass.BACKGROUND)

@@ -71,14 +71,17 @@ def small_daemon(daemon_factory: DaemonFactory) -> RunningDaemon:
 
 @pytest.fixture
 def small_clients(small_daemon: RunningDaemon) -> Clients:
-    return Clients(small_daemon.client(shared_memory=True), small_daemon.client(shared_memory=False))
+    return Clients(
+        small_daemon.client(shared_memory=True), small_daemon.client(shared_memory=False)
+    )
 
 
 # ---- demotion and promotion ---------------------------------------------------------------------
 
 
-def test_eviction_demotes_oldest_pages_to_ssd(small_daemon: RunningDaemon, small_clients: Clients,
-                                              scope: Scope) -> None:
+def test_eviction_demotes_oldest_pages_to_ssd(
+    small_daemon: RunningDaemon, small_clients: Clients, scope: Scope
+) -> None:
     d, c = small_daemon, small_clients
     pages = singles(scope, DRAM_PAGES + 16, seed=20)
     put_in_batches(c.shm, scope, pages)
@@ -99,8 +102,9 @@ def test_eviction_demotes_oldest_pages_to_ssd(small_daemon: RunningDaemon, small
     d.check()
 
 
-def test_ssd_hit_is_promoted_to_dram(small_daemon: RunningDaemon, small_clients: Clients,
-                                     scope: Scope) -> None:
+def test_ssd_hit_is_promoted_to_dram(
+    small_daemon: RunningDaemon, small_clients: Clients, scope: Scope
+) -> None:
     d, c = small_daemon, small_clients
     pages = singles(scope, 8, seed=21)
     assert c.grpc.put(scope, pages, tier=Tier.SSD).stored == 8
@@ -137,14 +141,16 @@ def test_background_demotion_to_low_watermark(daemon_factory: DaemonFactory, sco
     d.check()
 
 
-def test_leased_pages_never_move(small_daemon: RunningDaemon, small_clients: Clients,
-                                 scope: Scope) -> None:
+def test_leased_pages_never_move(
+    small_daemon: RunningDaemon, small_clients: Clients, scope: Scope
+) -> None:
     d, c = small_daemon, small_clients
     pages = singles(scope, DRAM_PAGES + 8, seed=23)
     put_in_batches(c.shm, scope, pages[:DRAM_PAGES])
     stub = d.stub()
-    held = stub.Acquire(pb.AcquireRequest(scope_digest=scope.digest,
-                                          keys=b"".join(keys_of(pages[:4]))), timeout=10)
+    held = stub.Acquire(
+        pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys_of(pages[:4]))), timeout=10
+    )
     assert held.lease_id and all(p.present for p in held.pages)
     put_in_batches(c.shm, scope, pages[DRAM_PAGES:])  # 8 evictions: not the 4 leased oldest
     assert [d.tier_of(k) for k in keys_of(pages[:12])] == [(Tier.DRAM,)] * 4 + [(Tier.SSD,)] * 8
@@ -206,13 +212,19 @@ def test_second_hit_admission(daemon_factory: DaemonFactory, scope: Scope) -> No
 
 def test_gpu_tier_on_cpu(daemon_factory: DaemonFactory, scope: Scope) -> None:
     pytest.importorskip("torch")
-    d = daemon_factory(settings={
-        "gpu.enabled": "true", "gpu.device": "cpu", "gpu.capacity_bytes": f"{4 * PAGE_BYTES}",
-    })
+    d = daemon_factory(
+        settings={
+            "gpu.enabled": "true",
+            "gpu.device": "cpu",
+            "gpu.capacity_bytes": f"{4 * PAGE_BYTES}",
+        }
+    )
     shm, rpc = d.client(shared_memory=True), d.client(shared_memory=False)
     info = rpc.node_info()
     assert [(t.tier, t.device) for t in info.tiers] == [
-        (Tier.GPU, "cpu"), (Tier.DRAM, ""), (Tier.SSD, ""),
+        (Tier.GPU, "cpu"),
+        (Tier.DRAM, ""),
+        (Tier.SSD, ""),
     ]
     pages = singles(scope, 6, seed=28)
     assert shm.put(scope, pages[:2], tier=Tier.GPU).stored == 2  # shm client: over gRPC
@@ -223,8 +235,11 @@ def test_gpu_tier_on_cpu(daemon_factory: DaemonFactory, scope: Scope) -> None:
     before = d.store.events.last_seq
     assert rpc.put(scope, pages[4:], tier=Tier.GPU).stored == 2
     assert [d.tier_of(k) for k in keys_of(pages)] == [(Tier.DRAM,)] * 2 + [(Tier.GPU,)] * 4
-    moved = [(e.key, e.from_tier, e.to_tier) for e in new_events(d, before)
-             if e.kind is StoreEventKind.MOVED]
+    moved = [
+        (e.key, e.from_tier, e.to_tier)
+        for e in new_events(d, before)
+        if e.kind is StoreEventKind.MOVED
+    ]
     assert moved == [
         (pages[0].header.key, Tier.GPU, Tier.DRAM),
         (pages[4].header.key, Tier.DRAM, Tier.GPU),
@@ -244,18 +259,24 @@ def test_gpu_tier_on_cpu(daemon_factory: DaemonFactory, scope: Scope) -> None:
     d.check()
 
 
-def test_gpu_placement_that_cannot_be_honoured_stays_in_dram(daemon_factory: DaemonFactory,
-                                                             scope: Scope) -> None:
+def test_gpu_placement_that_cannot_be_honoured_stays_in_dram(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
     pytest.importorskip("torch")
-    d = daemon_factory(settings={
-        "gpu.enabled": "true", "gpu.device": "cpu", "gpu.capacity_bytes": f"{2 * PAGE_BYTES}",
-    })
+    d = daemon_factory(
+        settings={
+            "gpu.enabled": "true",
+            "gpu.device": "cpu",
+            "gpu.capacity_bytes": f"{2 * PAGE_BYTES}",
+        }
+    )
     rpc = d.client(shared_memory=False)
     pages = singles(scope, 3, seed=29)
     rpc.put(scope, pages[:2], tier=Tier.GPU)
     stub = d.stub()
-    held = stub.Acquire(pb.AcquireRequest(scope_digest=scope.digest,
-                                          keys=b"".join(keys_of(pages[:2]))), timeout=10)
+    held = stub.Acquire(
+        pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys_of(pages[:2]))), timeout=10
+    )
     # every GPU page is leased: the new page cannot go there, but it is stored all the same
     assert rpc.put(scope, pages[2:], tier=Tier.GPU).statuses == (PutStatus.STORED,)
     assert d.tier_of(pages[2].header.key) == (Tier.DRAM,)
@@ -267,8 +288,9 @@ def test_gpu_placement_that_cannot_be_honoured_stays_in_dram(daemon_factory: Dae
 # ---- prefix-aware eviction ------------------------------------------------------------------------
 
 
-def test_eviction_takes_leaves_before_parents(small_daemon: RunningDaemon, small_clients: Clients,
-                                              scope: Scope) -> None:
+def test_eviction_takes_leaves_before_parents(
+    small_daemon: RunningDaemon, small_clients: Clients, scope: Scope
+) -> None:
     """A chain is the oldest data in DRAM, yet it shrinks from its tail: a child is useless
     without its parent, so plain LRU (which would drop its first pages) is not what happens."""
     d, c = small_daemon, small_clients
@@ -287,8 +309,9 @@ def test_eviction_takes_leaves_before_parents(small_daemon: RunningDaemon, small
     d.check()
 
 
-def test_reused_leaves_outlive_one_off_leaves(small_daemon: RunningDaemon, small_clients: Clients,
-                                              scope: Scope) -> None:
+def test_reused_leaves_outlive_one_off_leaves(
+    small_daemon: RunningDaemon, small_clients: Clients, scope: Scope
+) -> None:
     """Among leaves, pages hit twice (protected) leave after pages hit less, even older ones."""
     d, c = small_daemon, small_clients
     pages = singles(scope, DRAM_PAGES + 4, seed=32)
@@ -306,9 +329,9 @@ def test_reused_leaves_outlive_one_off_leaves(small_daemon: RunningDaemon, small
 # ---- I/O classes ----------------------------------------------------------------------------------
 
 
-def test_critical_reads_go_before_background_under_contention(daemon_factory: DaemonFactory,
-                                                              scope: Scope,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_critical_reads_go_before_background_under_contention(
+    daemon_factory: DaemonFactory, scope: Scope, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One I/O slot, held: queued gets are then served critical, normal, background — the
     reverse of their arrival order."""
     import urllib.request
@@ -332,12 +355,14 @@ def test_critical_reads_go_before_background_under_contention(daemon_factory: Da
     results: dict[IoClass, list[bytes | None]] = {}
     threads = []
     with original(IoClass.BACKGROUND, 0):  # the one slot is busy
-        for io_class, page in zip((IoClass.BACKGROUND, IoClass.NORMAL, IoClass.CRITICAL), pages,
-                                  strict=True):
+        for io_class, page in zip(
+            (IoClass.BACKGROUND, IoClass.NORMAL, IoClass.CRITICAL), pages, strict=True
+        ):
             client = d.client(shared_memory=False, io_class=io_class)
 
-            def run(client: StoreClient = client, io_class: IoClass = io_class,
-                    page: Page = page) -> None:
+            def run(
+                client: StoreClient = client, io_class: IoClass = io_class, page: Page = page
+            ) -> None:
                 results[io_class] = read_back(client, scope, [page])
 
             t = threading.Thread(target=run)
@@ -346,8 +371,12 @@ def test_critical_reads_go_before_background_under_contention(daemon_factory: Da
             assert scheduler.wait_for_depth(io_class, 1, timeout_s=10)  # queued in the daemon
         with urllib.request.urlopen(d.info.metrics_url, timeout=10) as reply:
             text = reply.read().decode()
-        depth = {s.labels["io_class"]: s.value for f in text_string_to_metric_families(text)
-                 if f.name == "strata_io_queue_depth" for s in f.samples}
+        depth = {
+            s.labels["io_class"]: s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "strata_io_queue_depth"
+            for s in f.samples
+        }
         assert depth == {"critical": 1.0, "normal": 1.0, "background": 1.0}
     for t in threads:
         t.join(timeout=30)

@@ -33,6 +33,7 @@ from client.ucx_protocol import (
     parse_preamble,
     preamble,
 )
+from client.ucx_runtime import ucx_runtime
 from kvstore_pb import store_pb2 as pb
 from loadtests.daemon import wait_for
 
@@ -53,7 +54,9 @@ def prompt(scope: Scope, count: int, seed: int) -> list[Page]:
     n = scope.layout.page_tokens
     tokens = [(seed * 7919 + t) % 50_000 for t in range(count * n)]
     rng = random.Random(seed)
-    return build_pages(scope, tokens, [rng.randbytes(scope.page_payload_bytes) for _ in range(count)])
+    return build_pages(
+        scope, tokens, [rng.randbytes(scope.page_payload_bytes) for _ in range(count)]
+    )
 
 
 def _wait_for_no_leases(daemon: RunningDaemon, timeout_s: float = 10.0) -> None:
@@ -76,7 +79,9 @@ def transcript(client: StoreClient, scope: Scope, pages: Sequence[Page]) -> list
     into = [bytearray(scope.page_payload_bytes) for _ in range(len(pages) + 1)]
     result = client.get(scope, [keys[0], b"\xab" * 16, *keys[1:]], into)
     out.append([keys.index(h.key) if h is not None else None for h in result.headers])
-    out.append([bytes(b) if h is not None else None for h, b in zip(result.headers, into, strict=True)])
+    out.append(
+        [bytes(b) if h is not None else None for h, b in zip(result.headers, into, strict=True)]
+    )
     out.append(client.corrupt_pages)
     return out
 
@@ -101,8 +106,12 @@ def test_same_results_over_ucx_and_grpc(daemon_factory: DaemonFactory, layout: K
     assert rpc.get(scope, keys_of(pages["u"]), into).hit_count == 5
     assert [bytes(b) for b in into] == want
     moved = daemon.store.counters.bytes_moved
-    assert sum(v for (path, d, _), v in moved.items() if path == "ucx" and d == "in") == 5 * layout_bytes(scope)
-    assert sum(v for (path, d, _), v in moved.items() if path == "ucx" and d == "out") == 5 * layout_bytes(scope)
+    assert sum(
+        v for (path, d, _), v in moved.items() if path == "ucx" and d == "in"
+    ) == 5 * layout_bytes(scope)
+    assert sum(
+        v for (path, d, _), v in moved.items() if path == "ucx" and d == "out"
+    ) == 5 * layout_bytes(scope)
     daemon.check()
     _wait_for_no_leases(daemon)
 
@@ -174,9 +183,9 @@ def test_corrupt_payload_on_get_is_a_miss(daemon_factory: DaemonFactory, path: s
 
 
 def _raw(daemon: RunningDaemon, script: Callable[[object], object]) -> None:
-    """Run `script(endpoint)` on a bare ucxx endpoint to the daemon, then abort the endpoint."""
-    import ucxx
-
+    """Run `script(endpoint)` on a bare ucxx endpoint to the daemon, then abort the endpoint.
+    It runs on the process's UCX loop, as everything UCX in a process must."""
+    ucxx, loop = ucx_runtime()
     host, port = parse_address(daemon.info.ucx_address)
 
     async def run() -> None:
@@ -186,11 +195,13 @@ def _raw(daemon: RunningDaemon, script: Callable[[object], object]) -> None:
         finally:
             ep.abort()
 
-    asyncio.run(run())
+    asyncio.run_coroutine_threadsafe(run(), loop).result(60)
 
 
 @needs_ucxx
-def test_disconnect_mid_put_stores_nothing_and_daemon_serves_on(daemon_factory: DaemonFactory) -> None:
+def test_disconnect_mid_put_stores_nothing_and_daemon_serves_on(
+    daemon_factory: DaemonFactory,
+) -> None:
     daemon = daemon_factory(dram="64MiB", ssd=None, settings=UCX_ON)
     scope = make_scope(layout=LARGE)
     pages = prompt(scope, 4, seed=11)
@@ -327,3 +338,23 @@ def test_an_idle_client_costs_the_daemon_no_cpu(daemon_factory: DaemonFactory) -
     threading.Event().wait(1.5)  # idle: nothing is asked of the daemon
     share = (time.process_time() - before_cpu) / (time.monotonic() - before_wall)
     assert share < 0.5, f"an idle UCX client cost the daemon {share:.0%} of a core"
+
+
+@needs_ucxx
+def test_daemons_and_clients_of_a_process_share_one_ucx_loop(daemon_factory: DaemonFactory) -> None:
+    """ucxx keeps one worker per process and restarts its progress thread for every new event
+    loop it is used from; a loop per listener (this process starts daemon after daemon) could
+    crash the process under live transfers. Every listener and client here runs on one loop."""
+    from ucxx._lib_async import application_context
+
+    scope = make_scope("one-loop", layout=SMALL)
+    pages = prompt(scope, 2, seed=21)
+    for round_ in range(3):  # daemons come and go; the loop stays
+        daemon = daemon_factory(dram="64MiB", ssd=None, settings=UCX_ON)
+        client = daemon.client(shared_memory=False, ucx=True)
+        assert client.put(scope, pages).stored == 2, round_
+        assert client.get(scope, keys_of(pages), buffers(scope, 2)).hit_count == 2
+        daemon.stop()
+    ucx_threads = [t.name for t in threading.enumerate() if t.name.startswith("strata-ucx")]
+    assert ucx_threads == ["strata-ucx"]
+    assert len(application_context.ProgressTasks) == 1

@@ -117,8 +117,10 @@ def _engine_wire_only(imp: Import) -> bool:
     """The import loads the engine's own generated wire modules and nothing else of kvstore_pb."""
     if imp.module in ENGINE_WIRE:
         return True
-    return imp.module == "kvstore_pb" and bool(imp.names) and all(
-        f"kvstore_pb.{n}" in ENGINE_WIRE for n in imp.names
+    return (
+        imp.module == "kvstore_pb"
+        and bool(imp.names)
+        and all(f"kvstore_pb.{n}" in ENGINE_WIRE for n in imp.names)
     )
 
 
