@@ -247,7 +247,7 @@ class AsyncStoreClient:
         conn = await self._ready()
         io = self._io(io_class)
         check = verify if verify is not None else not conn.maps
-        headers: list[PageHeader | None] = []
+        headers: list[PageHeader | bytes | None] = []
         for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
             part = (
                 conn,
@@ -401,16 +401,14 @@ class AsyncStoreClient:
         views: Sequence[memoryview],
         io: IoClass,
         verify: bool,
-    ) -> tuple[PageHeader | None, ...]:
+    ) -> tuple[PageHeader | bytes | None, ...]:
         request = pb.AcquireRequest(
             scope_digest=scope.digest, keys=packed, io_class=io_class_value(io)
         )
         reply = await self._call(conn.stub, "Acquire", request, pb.AcquireResponse)
         await self._check_segments(conn, reply.lease_id)
         try:
-            headers, corrupt = read_acquired(
-                reply, conn.maps, scope.digest, keys, views, verify=verify
-            )
+            headers, corrupt = read_acquired(reply, conn.maps, scope, keys, views, verify=verify)
         finally:
             if reply.lease_id:
                 self._release_later(conn, reply.lease_id)

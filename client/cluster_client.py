@@ -269,7 +269,7 @@ class ClusterClient:
         n = len(keys)
         if len(into) != n:
             raise InvalidArgument(f"{n} keys but {len(into)} buffers")
-        headers: list[PageHeader | None] = [None] * n
+        headers: list[PageHeader | bytes | None] = [None] * n
         live = self.live_nodes()
         if not n or not live:
             return GetResult(headers=tuple(headers))
@@ -293,7 +293,7 @@ class ClusterClient:
                 )
                 for node, reply in replies.items():
                     if not isinstance(reply, StrataError):
-                        for i, header in zip(groups[node], reply.headers, strict=True):
+                        for i, header in zip(groups[node], reply.entries, strict=True):
                             headers[i] = header
             pending = [i for i in pending if headers[i] is None]
             if not pending:

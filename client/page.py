@@ -281,6 +281,11 @@ def quick_check(raw: bytes, scope: Scope) -> tuple[bytes, bytes] | None:
     return key, parent
 
 
+def checked_payload_checksum(raw: bytes) -> int:
+    """The payload checksum field of header bytes that passed `quick_check`."""
+    return int.from_bytes(raw[HEADER_FIXED_BYTES - 8 : HEADER_FIXED_BYTES], "little")
+
+
 def make_header(scope: Scope, parent: bytes, tokens: Sequence[int], payload: Buffer) -> PageHeader:
     """Build the header of the page that follows `parent` (the scope digest for the first page).
 

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from client._wire import malformed
 from client.errors import Corrupt, InvalidArgument, Unavailable
 from client.hostid import host_id
-from client.page import PageHeader
+from client.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
+from client.scope import Scope
 from client.types import NodeInfo, PutStatus, Segment
 from kvstore_pb import store_pb2 as pb
 
@@ -215,32 +216,58 @@ def write_reserved(
 def read_acquired(
     reply: pb.AcquireResponse,
     maps: Sequence[SegmentMap],
-    scope_digest: bytes,
+    scope: Scope,
     keys: Sequence[bytes],
     into: Sequence[memoryview],
     *,
     verify: bool,
-) -> tuple[tuple[PageHeader | None, ...], int]:
+) -> tuple[tuple[PageHeader | bytes | None, ...], int]:
     """Copy each acquired page out of its slot into `into[i]`; return (headers, corrupt count).
 
-    A page whose header does not decode or names another key or scope, whose slot is not in a
-    mapped segment or does not fit its buffer, or (when `verify`) whose checksum fails, is a miss
-    (None) and counted. Raises a malformed-reply StrataError only when the page count is wrong
-    or pages are present without a lease.
+    Each delivered page's header comes back as the header bytes, checked byte for byte (see
+    `quick_check`: checksum, scope, layout, key chain) and against the key asked for, or as a
+    PageHeader when only the full decode could accept it (GetResult decodes bytes on demand).
+    A page whose header fails, names another key or scope, whose slot is not in a mapped segment
+    or does not fit its buffer, or (when `verify`) whose checksum fails, is a miss (None) and
+    counted. Raises a malformed-reply StrataError only when the page count is wrong or pages are
+    present without a lease.
     """
     if len(reply.pages) != len(keys):
         raise malformed(f"acquire of {len(keys)} keys answered {len(reply.pages)} pages")
     if reply.lease_id == 0 and any(p.present for p in reply.pages):
         raise malformed("pages acquired without a lease")
-    headers: list[PageHeader | None] = []
+    headers: list[PageHeader | bytes | None] = []
     corrupt = 0
+    size = scope.page_payload_bytes
     for i, page in enumerate(reply.pages):
-        header = None
-        if page.present:
-            header, why = _copy_out(page, maps, scope_digest, keys[i], into[i], verify)
-            if header is None:
-                corrupt += 1
-                log.debug("get: page %d dropped: %s", i, why)
+        if not page.present:
+            headers.append(None)
+            continue
+        raw = page.header
+        quick = quick_check(raw, scope)
+        seg = maps[page.segment] if page.segment < len(maps) else None
+        if (
+            quick is not None
+            and quick[0] == keys[i]
+            and page.length == size
+            and size <= into[i].nbytes
+            and seg is not None
+        ):
+            try:
+                target = into[i][:size]
+                target[:] = seg.view(page.offset, size)
+            except InvalidArgument as exc:
+                header: PageHeader | bytes | None
+                header, why = None, str(exc)
+            else:
+                header, why = raw, ""
+                if verify and payload_checksum(target) != checked_payload_checksum(raw):
+                    header, why = None, "payload checksum mismatch"
+        else:  # the slow path names exactly what is wrong (or accepts what quick_check cannot)
+            header, why = _copy_out(page, maps, scope.digest, keys[i], into[i], verify)
+        if header is None:
+            corrupt += 1
+            log.debug("get: page %d dropped: %s", i, why)
         headers.append(header)
     return tuple(headers), corrupt
 

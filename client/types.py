@@ -133,27 +133,59 @@ class PutResult:
         return sum(1 for s in self.statuses if s is PutStatus.ALREADY_PRESENT)
 
 
-@dataclass(frozen=True, slots=True)
 class GetResult:
     """One entry per requested key: the verified header of a page now in the caller's buffer,
-    or None for a miss (absent, or dropped by verification)."""
+    or None for a miss (absent, or dropped by verification).
 
-    headers: tuple[PageHeader | None, ...]
+    Built from `PageHeader`s or from header bytes the client has already checked byte for byte
+    (header checksum, key, scope, size): those are decoded on the first read of `headers`, so a
+    caller that needs only the hit counts never pays for building header objects.
+    """
+
+    __slots__ = ("_decoded", "_items")
+
+    def __init__(self, headers: Sequence[PageHeader | bytes | None]) -> None:
+        self._items = tuple(headers)
+        self._decoded: tuple[PageHeader | None, ...] | None = None
+
+    @property
+    def headers(self) -> tuple[PageHeader | None, ...]:
+        if self._decoded is None:
+            self._decoded = tuple(
+                PageHeader.decode(h) if isinstance(h, bytes) else h for h in self._items
+            )
+        return self._decoded
+
+    @property
+    def entries(self) -> tuple[PageHeader | bytes | None, ...]:
+        """Each key's header as built (a PageHeader, or checked header bytes not decoded yet),
+        or None: for merging results without decoding them."""
+        return self._items
 
     @property
     def hit_count(self) -> int:
         """Number of pages delivered."""
-        return sum(1 for h in self.headers if h is not None)
+        return sum(1 for h in self._items if h is not None)
 
     @property
     def prefix_hits(self) -> int:
         """Length of the leading run of delivered pages: what a prefill can use."""
         n = 0
-        for h in self.headers:
+        for h in self._items:
             if h is None:
                 break
             n += 1
         return n
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GetResult):
+            return NotImplemented
+        return self.headers == other.headers
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"GetResult(hits={self.hit_count} of {len(self._items)})"
 
 
 @dataclass(frozen=True, slots=True)

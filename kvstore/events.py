@@ -8,6 +8,7 @@ never blocks on a slow watcher.
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -36,7 +37,10 @@ class EventLog:
     """Thread-safe bounded event ring with blocking reads."""
 
     def __init__(self, capacity: int = 65536) -> None:
-        self._ring: deque[Event] = deque(maxlen=capacity)
+        # (seq, kind, key, scope digest, from, to, size): Event objects are built only for readers
+        self._ring: deque[tuple[int, EventKind, bytes, bytes, Tier | None, Tier | None, int]] = (
+            deque(maxlen=capacity)
+        )
         self._seq = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -53,9 +57,7 @@ class EventLog:
         """Append an event and wake watchers. Mutates the ring; never blocks on readers."""
         with self._cond:
             self._seq += 1
-            self._ring.append(
-                Event(self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes)
-            )
+            self._ring.append((self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes))
             self._cond.notify_all()
 
     def publish_many(
@@ -65,11 +67,12 @@ class EventLog:
         if not items:
             return
         with self._cond:
-            for kind, key, scope_digest, size_bytes, from_tier, to_tier in items:
-                self._seq += 1
-                self._ring.append(
-                    Event(self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes)
-                )
+            seq = self._seq
+            self._ring.extend(
+                (seq + n, kind, key, digest, from_tier, to_tier, size)
+                for n, (kind, key, digest, size, from_tier, to_tier) in enumerate(items, 1)
+            )
+            self._seq = seq + len(items)
             self._cond.notify_all()
 
     @property
@@ -84,9 +87,9 @@ class EventLog:
                 self._cond.wait(timeout_s)
             if not self._ring or self._seq <= after_seq:
                 return []
-            first = self._ring[0].seq
+            first = self._ring[0][0]
             start = max(0, after_seq + 1 - first)
-            return list(self._ring)[start:]
+            return [Event(*raw) for raw in itertools.islice(self._ring, start, None)]
 
     def close(self) -> None:
         """Wake every reader; later reads return immediately."""

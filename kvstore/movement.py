@@ -76,6 +76,19 @@ class Tiers:
             offset = self.dram.allocate(n_bytes)
         return offset
 
+    def allocate_dram_many(self, n_bytes: int, count: int) -> list[int]:
+        """`count` DRAM blocks of n_bytes, as `allocate_dram` gives one (demoting as needed).
+        Mutates. Raises CapacityExhausted (having freed what it took) when they do not fit."""
+        offsets = self.dram.allocate_many(n_bytes, count)
+        try:
+            while len(offsets) < count:
+                offsets.append(self.allocate_dram(n_bytes))
+        except CapacityExhausted:
+            for offset in offsets:
+                self.dram.free(offset)
+            raise
+        return offsets
+
     def allocate_gpu(self, n_bytes: int) -> int:
         """A GPU block of n_bytes, demoting GPU pages to DRAM as needed. Mutates; may raise."""
         assert self.gpu is not None

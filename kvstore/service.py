@@ -282,14 +282,16 @@ class StoreService(store_pb2_grpc.StoreServicer):
         res = self.store.reserve(
             scope, list(request.headers), request.lease_ms, io_class_from_wire(request.io_class)
         )
-        return store_pb2.ReserveResponse(
-            lease_id=res.lease_id,
-            slots=[
-                store_pb2.Slot(reserved=s.reserved, segment=0, offset=s.offset, length=s.length)
-                for s in res.slots
-            ],
-            lease_expires_unix_ms=res.expires_unix_ms,
+        reply = store_pb2.ReserveResponse(
+            lease_id=res.lease_id, lease_expires_unix_ms=res.expires_unix_ms
         )
+        add = reply.slots.add  # (about twice as fast as building each Slot and copying it in)
+        for s in res.slots:
+            if s.reserved:
+                add(reserved=True, offset=s.offset, length=s.length)
+            else:
+                add()
+        return reply
 
     @unary
     def Commit(
@@ -305,27 +307,25 @@ class StoreService(store_pb2_grpc.StoreServicer):
         acq = self.store.acquire(
             _digest(request.scope_digest), unpack_keys(request.keys), io_class, request.lease_ms
         )
-        pages = []
+        reply = store_pb2.AcquireResponse(
+            lease_id=acq.lease_id, lease_expires_unix_ms=acq.expires_unix_ms
+        )
+        add = reply.pages.add
         served = 0
         for page in acq.pages:
             if page is None:
-                pages.append(store_pb2.AcquiredPage(present=False))
+                add()
                 continue
             served += page.length
-            pages.append(
-                store_pb2.AcquiredPage(
-                    present=True,
-                    tier=_pb_tier(page.tier),
-                    segment=0,
-                    offset=page.offset,
-                    length=page.length,
-                    header=page.header,
-                )
+            add(
+                present=True,
+                tier=_pb_tier(page.tier),
+                offset=page.offset,
+                length=page.length,
+                header=page.header,
             )
         self.store.counters.add_bytes("shm", "out", io_class, served)
-        return store_pb2.AcquireResponse(
-            lease_id=acq.lease_id, pages=pages, lease_expires_unix_ms=acq.expires_unix_ms
-        )
+        return reply
 
     @unary
     def Release(

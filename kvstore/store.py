@@ -22,7 +22,6 @@ from client.page import PageHeader, quick_check
 from client.scope import KEY_BYTES, Scope
 from kvstore.config import StoreConfig
 from kvstore.errors import (
-    CapacityExhausted,
     Corrupt,
     InvalidArgument,
     LeaseExpired,
@@ -42,6 +41,7 @@ from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
+_GPU, _DRAM = Tier.GPU, Tier.DRAM  # enum lookups cost ~75 ns each on Python 3.11
 
 _SCOPE_CACHE = 1024
 
@@ -329,16 +329,10 @@ class Store:
                 and plan.headers[i].key not in self._pending_keys
             ]
             granted: list[_Pending | None] = [None] * len(plan.headers)
-            try:
-                for i in new:
-                    header = plan.headers[i]
-                    offset = self.tiers.allocate_dram(header.payload_bytes)
-                    granted[i] = _Pending(header, bytes(raw_headers[i]), offset)
-            except CapacityExhausted:
-                for pending in granted:
-                    if pending is not None:
-                        self.tiers.dram.free(pending.offset)
-                raise
+            # every page of a put has its scope's page size: one batch allocation
+            offsets = self.tiers.allocate_dram_many(scope.page_payload_bytes, len(new))
+            for i, offset in zip(new, offsets, strict=True):
+                granted[i] = _Pending(plan.headers[i], bytes(raw_headers[i]), offset)
             keys = tuple(p.header.key for p in granted if p is not None)
             lease = self.leases.grant(LeaseKind.RESERVE, keys, self._ttl_s(lease_ms))
             self._pending[lease.lease_id] = granted
@@ -376,47 +370,41 @@ class Store:
             io_class = io_class or reserved_class
             if granted is None:
                 raise LeaseExpired(f"lease {lease_id} is not a write reservation")
-            stored = 0
-            events: list[tuple[EventKind, bytes, bytes, int, Tier | None, Tier | None]] = []
+            entries: list[PageEntry] = []
+            committed_bytes = 0
+            index = self.index
             for pending in granted:
                 if pending is None:
                     continue
-                key = pending.header.key
+                header = pending.header
+                key = header.key
+                committed_bytes += header.payload_bytes
                 self._pending_keys.discard(key)
-                if key in self.index:  # stored meanwhile by another path
+                if key in index:  # stored meanwhile by another path
                     self.tiers.dram.free(pending.offset)
                     continue
-                self.index.insert(
+                entries.append(
                     PageEntry(
                         key=key,
-                        parent=pending.header.parent,
-                        scope_digest=pending.header.scope_digest,
+                        parent=header.parent,
+                        scope_digest=header.scope_digest,
                         header=pending.raw_header,
-                        payload_bytes=pending.header.payload_bytes,
-                        gpu=None,
+                        payload_bytes=header.payload_bytes,
                         dram=pending.offset,
-                        ssd=False,
                     )
                 )
-                stored += 1
-                events.append(
-                    (
-                        EventKind.STORED,
-                        key,
-                        pending.header.scope_digest,
-                        pending.header.payload_bytes,
-                        None,
-                        Tier.DRAM,
-                    )
-                )
-                if tier is not None or self.write_mode is WriteMode.WRITE_THROUGH:
-                    self.events.publish_many(events)  # STORED before any MOVED of placing it
-                    events.clear()
-                    self._place(self.index.get(key), tier, io_class)
-            self.events.publish_many(events)
-            self.counters.add_bytes(
-                path, "in", io_class, sum(p.header.payload_bytes for p in granted if p is not None)
-            )
+            index.insert_many(entries)
+            self.events.publish_many(
+                [
+                    (EventKind.STORED, e.key, e.scope_digest, e.payload_bytes, None, Tier.DRAM)
+                    for e in entries
+                ]
+            )  # every STORED before any MOVED of placing a page
+            if tier is not None or self.write_mode is WriteMode.WRITE_THROUGH:
+                for entry in entries:  # placing one may move others: look each up again
+                    self._place(index.get(entry.key), tier, io_class)
+            self.counters.add_bytes(path, "in", io_class, committed_bytes)
+            stored = len(entries)
         self.mover.kick()
         return stored
 
@@ -463,26 +451,45 @@ class Store:
         self._check_keys(keys)
         held: list[HeldPage | None] = [None] * len(keys)
         pinned: list[bytes] = []
+        slow: list[int] = []  # pinned pages not in DRAM: copied from GPU or read from SSD
         need_ssd: list[int] = []
+        hit_tiers: list[Tier] = []
+        index, doomed = self.index, self._doomed
         with self._lock:
             self.reap_leases()
+            misses = 0
             for i, key in enumerate(keys):
-                entry = self.index.get(key)
-                if entry is None or entry.scope_digest != scope_digest or key in self._doomed:
-                    self._count_miss(Tier.GPU if self.tiers.gpu else Tier.DRAM, through_ssd=True)
+                entry = index.get(key)
+                if entry is None or entry.scope_digest != scope_digest or key in doomed:
+                    misses += 1
                     continue
-                self.index.pin(key)
                 pinned.append(key)
-                if entry.dram is None and entry.gpu is None:
-                    need_ssd.append(i)
+                if entry.dram is None:
+                    index.pin(key)
+                    slow.append(i)
+                    if entry.gpu is None:
+                        need_ssd.append(i)
+                    continue
+                index.pin(key, hit=True)  # a DRAM hit (maybe also in GPU): served from DRAM now
+                hit = _GPU if entry.gpu is not None else _DRAM
+                hit_tiers.append(hit)
+                held[i] = HeldPage(hit, entry.dram, entry.payload_bytes, entry.header)
+            for _ in range(misses):
+                self._count_miss(Tier.GPU if self.tiers.gpu else Tier.DRAM, through_ssd=True)
+            if not slow:
+                self._count_hits(hit_tiers)
+                if not pinned:
+                    return Acquisition(0, tuple(held), 0)
+                lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
+                return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
         payloads: dict[int, bytes | None] = {}
-        hit_tiers: list[Tier] = []
         if need_ssd:
             payloads = self._read_ssd([keys[i] for i in need_ssd], need_ssd, io_class)
         with self._lock:
-            for i, key in enumerate(keys):
-                entry = self.index.get(key)
-                if entry is None or key not in pinned:
+            for i in slow:
+                key = keys[i]
+                entry = index.get(key)
+                if entry is None:
                     continue
                 source = entry.fastest
                 if entry.dram is None:
@@ -500,7 +507,7 @@ class Store:
                         log.warning("no DRAM room to serve page %s; reported as a miss", key.hex())
                         continue
                 assert entry.dram is not None and source is not None
-                self.index.touch(key)
+                index.touch(key)
                 hit_tiers.append(source)
                 held[i] = HeldPage(source, entry.dram, entry.payload_bytes, entry.header)
             self._count_hits(hit_tiers)

@@ -119,6 +119,25 @@ class BuddyAllocator:
         self._used += self._min_block << order
         return offset
 
+    def allocate_many(self, nbytes: int, count: int) -> list[int]:
+        """Allocate up to `count` blocks of at least `nbytes` each, as `allocate` would one by one
+        (in one call); mutates. Returns their offsets: fewer than `count` when space runs out."""
+        order = self._order_for(nbytes)
+        exact, allocated = self._free[order], self._allocated
+        out: list[int] = []
+        while len(out) < count:
+            if not exact:  # split a larger block (allocate leaves the high halves free)
+                offset = self.allocate(nbytes)
+                if offset is None:
+                    break
+                out.append(offset)
+                continue
+            offset = exact.pop()
+            allocated[offset] = order
+            self._used += self._min_block << order
+            out.append(offset)
+        return out
+
     def free(self, offset: int) -> int:
         """Free the block at `offset` and coalesce it with free buddies; mutates.
 

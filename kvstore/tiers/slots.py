@@ -64,6 +64,13 @@ class SlotSpace:
         with self._lock:
             return self._alloc.allocate(nbytes)
 
+    def allocate_many(self, nbytes: int, count: int) -> list[int]:
+        """Reserve up to `count` slots of at least `nbytes` under one lock; mutates. Returns
+        their offsets, fewer than `count` when the tier is full. Raises as `allocate`."""
+        self._ensure_open()
+        with self._lock:
+            return self._alloc.allocate_many(nbytes, count)
+
     def free(self, offset: int) -> int:
         """Release the slot at `offset`; mutates. Returns the slot size.
 

@@ -280,6 +280,60 @@ def test_children_may_arrive_before_parent_and_outlive_it() -> None:
     index.check_integrity()
 
 
+def _layouts(index: Index) -> list[list[bytes]]:
+    return [order(index, t) for t in (Tier.GPU, Tier.DRAM, Tier.SSD)]
+
+
+def test_insert_many_files_as_inserting_one_by_one() -> None:
+    """A chain, a lone page and a page whose parent is already stored, in one call, leave the
+    index as the same inserts one at a time would, eviction order included."""
+    specs = [("a", None), ("b", "a"), ("c", "b"), ("x", None), ("p2", "p1"), ("d", "c")]
+
+    def fresh() -> Index:
+        index = Index()
+        index.insert(page("p1", dram=1))
+        index.insert(page("old", dram=2))
+        return index
+
+    one_by_one, batched = fresh(), fresh()
+    for name, parent in specs:
+        one_by_one.insert(page(name, parent, dram=3))
+    batched.insert_many([page(name, parent, dram=3) for name, parent in specs])
+    batched.check_integrity()
+    assert _layouts(batched) == _layouts(one_by_one)
+    assert order(batched, Tier.DRAM) == ks("old", "x", "p2", "d", "p1", "a", "b", "c")
+    assert [batched.children_in(k(n), Tier.DRAM) for n in ("p1", "a", "c", "d")] == [1, 1, 1, 0]
+
+
+def test_insert_many_is_all_or_nothing() -> None:
+    index = Index()
+    index.insert(page("b", dram=1))
+    for bad in (
+        [page("a", dram=2), page("b", dram=2)],  # b is present
+        [page("a", dram=2), page("a", dram=3)],  # a twice
+        [page("a", dram=2), page("c")],  # c is resident nowhere
+    ):
+        with pytest.raises(InvalidArgument):
+            index.insert_many(bad)
+        assert len(index) == 1 and index.get(k("a")) is None
+        index.check_integrity()
+
+
+def test_pin_as_hit_is_pin_and_touch() -> None:
+    plain, hit = Index(), Index()
+    for index in (plain, hit):
+        chain(index, ["a", "b", "c"], ssd=True)
+    plain.pin(k("a"))
+    plain.touch(k("a"))
+    hit.pin(k("a"), hit=True)
+    for index in (plain, hit):
+        assert index.get(k("a")).hits == 1  # type: ignore[union-attr]
+        assert k("a") not in order(index, Tier.SSD)
+        index.unpin(k("a"))
+        index.check_integrity()
+    assert _layouts(plain) == _layouts(hit)
+
+
 def test_lookup_prefix_stops_at_gap_and_scope_mismatch() -> None:
     index = Index()
     chain(index, ["a1", "a2", "a3", "a4"], gpu=0)
@@ -377,6 +431,36 @@ class IndexMachine(RuleBasedStateMachine):
         for ancestor in reversed(path):
             if ancestor not in self.model:
                 self.insert(ancestor, tiers, where)
+
+    @rule(
+        keys=st.lists(keys_st, min_size=1, max_size=6),
+        tiers=st.sets(tiers_st, min_size=1),
+        where=st.integers(0, 99),
+    )
+    def insert_many(self, keys: list[bytes], tiers: set[Tier], where: int) -> None:
+        """Insert several pages in one call (any order, parents and children mixed): all or,
+        when one is present or repeated, none."""
+        entries = []
+        for key in keys:
+            entry = PageEntry(key, PARENT[key], SCOPE[key], b"h", 10 + key[0])
+            entry.gpu = where if Tier.GPU in tiers else None
+            entry.dram = where if Tier.DRAM in tiers else None
+            entry.ssd = Tier.SSD in tiers
+            entries.append(entry)
+        if len(set(keys)) < len(keys) or any(key in self.model for key in keys):
+            with pytest.raises(InvalidArgument):
+                self.index.insert_many(entries)
+            return
+        self.index.insert_many(entries)
+        for key in keys:
+            self.model[key] = Model(set(tiers))
+
+    @rule(key=keys_st)
+    def pin_as_hit(self, key: bytes) -> None:
+        if key in self.model:
+            self.index.pin(key, hit=True)
+            self.model[key].leases += 1
+            self.model[key].hits += 1
 
     @rule(key=keys_st, tier=tiers_st, where=st.integers(0, 99), clear=st.booleans())
     def set_residency(self, key: bytes, tier: Tier, where: int, clear: bool) -> None:

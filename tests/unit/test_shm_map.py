@@ -44,7 +44,7 @@ from client.shm import (
     try_map,
     write_reserved,
 )
-from client.types import Limits, NodeInfo, Segment
+from client.types import GetResult, Limits, NodeInfo, Segment
 from kvstore.lane import LaneServer
 from kvstore_pb import API_VERSION
 from kvstore_pb import store_pb2 as pb
@@ -270,25 +270,26 @@ def test_read_acquired_copies_and_checks(segment: Segment) -> None:
             pages=[acquired(0), acquired(1, pages[0].header), acquired(2), pb.AcquiredPage()],
         )
         into = [memoryview(bytearray(PAGE_BYTES)) for _ in keys]
-        headers, corrupt = read_acquired(reply, [seg], SCOPE.digest, keys, into, verify=False)
-        assert headers == (pages[0].header, None, pages[2].header, None)
+        headers, corrupt = read_acquired(reply, [seg], SCOPE, keys, into, verify=False)
+        assert headers == (pages[0].header.encode(), None, pages[2].header.encode(), None)
+        assert GetResult(headers).headers == (pages[0].header, None, pages[2].header, None)
         assert corrupt == 1  # page 1 came with another page's header
         assert bytes(into[0]) == payload(0)
-        headers, corrupt = read_acquired(reply, [seg], SCOPE.digest, keys, into, verify=True)
-        assert headers == (pages[0].header, None, None, None) and corrupt == 2
+        headers, corrupt = read_acquired(reply, [seg], SCOPE, keys, into, verify=True)
+        assert GetResult(headers).headers == (pages[0].header, None, None, None) and corrupt == 2
         out_of_bounds = pb.AcquireResponse(
             lease_id=3, pages=[pb.AcquiredPage(present=True, offset=SIZE, length=PAGE_BYTES,
                                                header=pages[0].header.encode())]
         )  # fmt: skip
         headers, corrupt = read_acquired(
-            out_of_bounds, [seg], SCOPE.digest, keys[:1], into[:1], verify=False
+            out_of_bounds, [seg], SCOPE, keys[:1], into[:1], verify=False
         )
         assert headers == (None,) and corrupt == 1
         with pytest.raises(StrataError, match="malformed"):
-            read_acquired(reply, [seg], SCOPE.digest, keys[:2], into[:2], verify=False)
+            read_acquired(reply, [seg], SCOPE, keys[:2], into[:2], verify=False)
         no_lease = pb.AcquireResponse(lease_id=0, pages=[acquired(0)])
         with pytest.raises(StrataError, match="without a lease"):
-            read_acquired(no_lease, [seg], SCOPE.digest, keys[:1], into[:1], verify=False)
+            read_acquired(no_lease, [seg], SCOPE, keys[:1], into[:1], verify=False)
 
 
 # ---- a canned same-host store -------------------------------------------------------------
