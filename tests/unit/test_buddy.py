@@ -199,3 +199,26 @@ def test_check_integrity_catches_a_broken_map() -> None:
     alloc._used += 1  # white box: break the accounting
     with pytest.raises(AssertionError, match="used_bytes"):
         alloc.check_integrity()
+
+
+def test_allocate_many_matches_allocating_one_by_one() -> None:
+    one, many = BuddyAllocator(1 << 20, MIN), BuddyAllocator(1 << 20, MIN)
+    for alloc in (one, many):
+        held = [alloc.allocate(3 * MIN) for _ in range(5)]  # leaves split blocks behind
+        alloc.free(held[1])  # type: ignore[arg-type]
+        alloc.free(held[3])  # type: ignore[arg-type]
+    singles = [one.allocate(2 * MIN) for _ in range(40)]
+    batch = many.allocate_many(2 * MIN, 40)
+    assert sorted(batch) == sorted(o for o in singles if o is not None)
+    assert many.used_bytes == one.used_bytes
+    many.check_integrity()
+
+
+def test_allocate_many_stops_when_full() -> None:
+    alloc = BuddyAllocator(1 << 20, MIN)
+    got = alloc.allocate_many(64 * MIN, 20)
+    assert len(got) == 4 and len(set(got)) == 4  # 1 MiB holds four 256 KiB blocks
+    assert alloc.allocate_many(MIN, 3) == []
+    alloc.check_integrity()
+    with pytest.raises(InvalidArgument):
+        alloc.allocate_many(0, 2)
