@@ -1,6 +1,7 @@
 """Background movement: write-through copies, watermark demotion and lease expiry.
 
-One thread. Each pass (on a kick, or every `interval_s`): end expired leases; copy queued
+One thread. Each pass (on a kick — a write that took DRAM above its high watermark, a queued
+write-through copy, a drain — or every `interval_s`): end expired leases; copy queued
 write-through pages to SSD; and, while DRAM is above its high watermark, demote least valuable
 pages until it is below the low one. SSD writes run as I/O class BACKGROUND (so they yield to
 reads and respect the background bandwidth cap), with the page pinned and the store lock free.
@@ -63,10 +64,18 @@ class Mover:
         self._thread.join(timeout=30)
 
     def kick(self) -> None:
-        """Ask for a pass soon (after a write)."""
+        """Ask for a pass soon."""
         with self._cond:
             self._kicked = True
             self._cond.notify_all()
+
+    def kick_if_above_watermark(self) -> None:
+        """Ask for a pass soon if DRAM is above its high watermark (after a write). Below it, a
+        pass would find nothing to do: waking the thread anyway costs the writer its reply time
+        (the woken thread competes for the GIL); expired leases are reaped on the timer."""
+        dram = self._tiers.dram
+        if dram.used_bytes > self._high * dram.capacity_bytes:
+            self.kick()
 
     def write_through(self, key: bytes) -> None:
         """Queue a page for a background copy to SSD."""
