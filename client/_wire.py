@@ -181,6 +181,7 @@ def node_info_from_proto(msg: pb.NodeInfoResponse) -> NodeInfo:
         segments=tuple(Segment(tier_of(s.tier), s.name, s.size_bytes) for s in msg.segments),
         local_address=msg.local_address,
         ucx_address=msg.ucx_address,
+        tcp_address=msg.tcp_address,
     )
 
 

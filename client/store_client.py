@@ -77,6 +77,7 @@ from client.types import (
     Tier,
     WritableBuffer,
 )
+from client.ucx_protocol import TCP_SCHEME
 from client.ucx_transport import TransportFailed, UcxLink, UcxTransport
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
@@ -84,7 +85,7 @@ from kvstore_pb.store_pb2_grpc import StoreStub
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-Transport = Literal["shm", "grpc", "ucx"]
+Transport = Literal["shm", "grpc", "ucx", "tcp"]
 _LOCAL_PROBE_S = 2.0
 
 
@@ -119,9 +120,12 @@ class StoreClient:
     it, None picks it when the daemon is on this host and its segments map. Connects lazily on
     the first call, or explicitly with `connect()`; `close()` (or leaving a `with` block) ends it.
 
-    `ucx` (remote path only): True requires the UCX data path (Unavailable if ucxx is missing or
-    the daemon has no UCX listener), False never uses it, None uses it when both ends can and
-    otherwise streams over gRPC (said once in the log, also after a UCX transport failure).
+    `ucx` and `tcp` (remote path only) choose the bulk data path for put and get: True requires
+    the UCX (or TCP) data path (Unavailable if it cannot be used: ucxx missing, no listener),
+    False never uses it, None uses it when both ends can. On auto, UCX is preferred where the
+    environment configures a fabric for it (UCX_TLS naming RDMA or GPU transports), else the TCP
+    data path, else UCX, else gRPC streams (the choice is said once in the log, as is a fall back
+    to gRPC after a transport failure).
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class StoreClient:
         io_class: IoClass = IoClass.NORMAL,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ucx: bool | None = None,
+        tcp: bool | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
             raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
@@ -143,7 +148,7 @@ class StoreClient:
         self._policy = RetryPolicy(retries)
         self._io_class = IoClass(io_class)
         self._max_message_bytes = max_message_bytes
-        self._ucx = UcxLink(ucx, address)
+        self._ucx = UcxLink(ucx, address, tcp)
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
         self._closed = False
@@ -169,13 +174,13 @@ class StoreClient:
 
     @property
     def transport(self) -> Transport:
-        """The data path: "shm", "ucx" or "grpc" (the UCX choice is settled on first ask).
+        """The data path: "shm", "ucx", "tcp" or "grpc" (the bulk path is settled on first ask).
         StrataError before connecting."""
         conn = self._conn
         if conn is None:
             raise StrataError("not connected yet: call connect() first")
-        if conn.transport == "grpc" and self._ucx_for(conn) is not None:
-            return "ucx"
+        if conn.transport == "grpc" and (bulk := self._ucx_for(conn)) is not None:
+            return "tcp" if bulk.address.startswith(TCP_SCHEME) else "ucx"
         return conn.transport
 
     def close(self) -> None:
@@ -509,11 +514,12 @@ class StoreClient:
 
     def _ucx_for(self, conn: _Connection) -> UcxTransport | None:
         """The UCX transport of the remote path of `conn`, or None (use gRPC)."""
-        if conn.maps or self._ucx.mode is False:
+        if conn.maps or self._ucx.off:
             return None
         return self._ucx.transport(
             conn,
             conn.node.ucx_address or "",
+            tcp_address=conn.node.tcp_address or "",
             timeout_s=self._timeout_s,
             max_page_bytes=conn.node.limits.max_page_bytes,
         )

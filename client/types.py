@@ -97,6 +97,8 @@ class NodeInfo:
     local_address: str  # "unix:/path" for same-host control traffic, or ""
     # "ucx://host:port" of the UCX data path, "" for none; None: not decoded from the reply
     ucx_address: str | None = None
+    # "tcp://host:port" of the TCP bulk data path, "" for none; None: not decoded from the reply
+    tcp_address: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

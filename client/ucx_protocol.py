@@ -1,5 +1,7 @@
-"""Framing of the UCX bulk data path, shared by the SDK (client/ucx_transport.py) and the daemon
-(kvstore/ucx_server.py). Pure: no ucxx here, so both ends and the tests can import it freely.
+"""Framing of the bulk data paths, UCX and TCP, shared by the SDK (client/ucx_transport.py) and
+the daemon (kvstore/ucx_server.py). Pure: no ucxx here, so both ends and the tests can import it
+freely. Over TCP (client/tcp_endpoint.py) the same messages follow one another on the byte
+stream; both ends always know the size of the next one.
 
 A UCX tag message must be received into a buffer of known size, so every exchange is a fixed
 `PREAMBLE` message, then a `meta` message of `meta_bytes` (when > 0), then payload messages whose
@@ -37,6 +39,7 @@ from client.errors import (
 )
 
 SCHEME = "ucx://"
+TCP_SCHEME = "tcp://"  # the TCP data path: the same framing over plain sockets
 MAGIC = 0x5355  # "US"
 VERSION = 1
 
@@ -88,22 +91,36 @@ def prepare_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+_HOST_LOCAL_TRANSPORTS = {"tcp", "sm", "self", "posix", "sysv", "cma", "knem", "xpmem", "mm"}
+
+
+def fabric_configured() -> bool:
+    """True when the environment's UCX_TLS names a transport beyond TCP and same-host memory (an
+    RDMA or GPU fabric, or "all"): then UCX is worth preferring to the plain TCP data path."""
+    tls = os.environ.get("UCX_TLS", "").strip()
+    if tls.startswith("^"):  # everything but the transports listed
+        return True
+    names = {t.strip().lstrip("^").split(":")[0] for t in tls.split(",") if t.strip()}
+    return bool(names - _HOST_LOCAL_TRANSPORTS)
+
+
 def parse_address(address: str, fallback_host: str = "") -> tuple[str, int]:
-    """ "ucx://host:port" -> (host, port). A wildcard host (0.0.0.0, ::) becomes `fallback_host`.
-    Raises InvalidArgument for anything else."""
-    if not address.startswith(SCHEME):
-        raise InvalidArgument(f"not a UCX address: {address!r}")
-    host, sep, port = address[len(SCHEME) :].rpartition(":")
+    """"ucx://host:port" or "tcp://host:port" -> (host, port). A wildcard host (0.0.0.0, ::)
+    becomes `fallback_host`. Raises InvalidArgument for anything else."""
+    scheme = next((s for s in (SCHEME, TCP_SCHEME) if address.startswith(s)), None)
+    if scheme is None:
+        raise InvalidArgument(f"not a bulk data address: {address!r}")
+    host, sep, port = address[len(scheme) :].rpartition(":")
     host = host.strip("[]")
     if not sep or not port.isdigit() or not host or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"not a UCX address: {address!r}")
+        raise InvalidArgument(f"not a bulk data address: {address!r}")
     if host in ("0.0.0.0", "::") and fallback_host:
         host = fallback_host
     return host, int(port)
 
 
-def format_address(host: str, port: int) -> str:
-    return f"{SCHEME}[{host}]:{port}" if ":" in host else f"{SCHEME}{host}:{port}"
+def format_address(host: str, port: int, scheme: str = SCHEME) -> str:
+    return f"{scheme}[{host}]:{port}" if ":" in host else f"{scheme}{host}:{port}"
 
 
 def preamble(kind: int, aux: int = 0, meta_bytes: int = 0) -> bytes:

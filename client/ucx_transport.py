@@ -1,8 +1,10 @@
 """The SDK's end of the UCX bulk data path (DESIGN §6; framing in client/ucx_protocol.py).
 
 `UcxTransport` is a blocking facade over ucxx: every call runs as a coroutine on the process's
-UCX loop (client/ucx_runtime.py), each on an endpoint of its own (see _MAX_IDLE_ENDPOINTS), so
-concurrent calls never share one. Payloads are received
+bulk loop (client/ucx_runtime.py), each on an endpoint of its own (UCX: a fresh one per call, see
+_MAX_IDLE_UCX_ENDPOINTS; TCP: a few idle connections are kept), so concurrent calls never share
+one. The same code serves the TCP data path (an address "tcp://...": the UCX framing over a
+socket, client/tcp_endpoint.py). Payloads are received
 straight into the caller's buffers and sent straight from the caller's pages, with no copy made
 here. A get verifies each page's header and (when asked) checksum, as the gRPC path does.
 
@@ -25,6 +27,7 @@ from typing import Any, TypeVar
 
 from client.errors import Corrupt, DeadlineExceeded, InvalidArgument, StrataError, Unavailable
 from client.page import PageHeader
+from client.tcp_endpoint import EndpointClosed, connect_tcp
 from client.types import PutStatus
 from client.ucx_protocol import (
     KIND_DONE,
@@ -34,17 +37,19 @@ from client.ucx_protocol import (
     KIND_PUT,
     KIND_WANT,
     PREAMBLE,
+    TCP_SCHEME,
     ManifestEntry,
     ProtocolError,
     decode_error,
     decode_manifest,
     encode_put,
+    fabric_configured,
     parse_address,
     parse_preamble,
     preamble,
     settle,
 )
-from client.ucx_runtime import ucx_runtime
+from client.ucx_runtime import bulk_loop, ucx_runtime
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,9 @@ T = TypeVar("T")
 # and ucxx 0.52 keeps a daemon core busy progressing it even when nothing arrives (measured: an
 # idle connected client cost 100% of a core; one endpoint per call costs none, at the same
 # throughput for bulk transfers).
-_MAX_IDLE_ENDPOINTS = 0
+_MAX_IDLE_UCX_ENDPOINTS = 0
+# An idle TCP connection costs nothing: keep a few, so a call does not pay for a connect.
+_MAX_IDLE_TCP_ENDPOINTS = 4
 _CONNECT_TIMEOUT_S = 5.0
 _MAX_META_BYTES = 1 << 30
 
@@ -102,10 +109,16 @@ class UcxTransport:
         except InvalidArgument as exc:
             raise TransportFailed(str(exc)) from None
         self._max_page_bytes = max_page_bytes or (1 << 62)
-        try:
-            self._ucxx, self._loop = ucx_runtime()
-        except Unavailable as exc:
-            raise TransportFailed(str(exc)) from None
+        self._tcp = address.startswith(TCP_SCHEME)
+        self._ucxx: Any = None
+        if self._tcp:
+            self._loop = bulk_loop()
+        else:
+            try:
+                self._ucxx, self._loop = ucx_runtime()
+            except Unavailable as exc:
+                raise TransportFailed(str(exc)) from None
+        self._max_idle = _MAX_IDLE_TCP_ENDPOINTS if self._tcp else _MAX_IDLE_UCX_ENDPOINTS
         self._idle: list[Any] = []  # touched on the loop only
         self._closed = False
 
@@ -114,7 +127,7 @@ class UcxTransport:
     def open(self, timeout_s: float) -> None:
         async def probe() -> None:
             ep = await self._connect(min(timeout_s, _CONNECT_TIMEOUT_S))
-            if _MAX_IDLE_ENDPOINTS:
+            if self._max_idle:
                 self._idle.append(ep)
             else:
                 with contextlib.suppress(Exception):
@@ -204,15 +217,28 @@ class UcxTransport:
             raise TransportFailed(f"the UCX loop did not answer within {timeout_s:.1f} s") from None
 
     async def _connect(self, timeout_s: float) -> Any:
+        connecting = (
+            connect_tcp(self._host, self._port)
+            if self._tcp
+            else self._ucxx.create_endpoint(self._host, self._port)
+        )
         try:
-            return await asyncio.wait_for(
-                self._ucxx.create_endpoint(self._host, self._port), max(timeout_s, 0.001)
-            )
+            return await asyncio.wait_for(connecting, max(timeout_s, 0.001))
         except Exception as exc:
             raise TransportFailed(f"cannot connect to {self.address}: {exc!r}") from None
 
     async def _call(self, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
-        ep = self._idle.pop() if self._idle else await self._connect(_CONNECT_TIMEOUT_S)
+        while self._idle:  # a kept connection the daemon may have closed meanwhile
+            try:
+                return await self._call_on(self._idle.pop(), op)
+            except EndpointClosed:
+                continue  # nothing was done on it: go on with the next, or a fresh one
+        try:
+            return await self._call_on(await self._connect(_CONNECT_TIMEOUT_S), op)
+        except EndpointClosed as exc:
+            raise TransportFailed(f"transfer with {self.address} failed: {exc}") from None
+
+    async def _call_on(self, ep: Any, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
         reusable = False
         try:
             result = await op(ep)
@@ -226,7 +252,7 @@ class UcxTransport:
         except Exception as exc:  # ucxx's own errors: the connection is gone
             raise TransportFailed(f"UCX transfer with {self.address} failed: {exc!r}") from None
         finally:
-            if reusable and not self._closed and len(self._idle) < _MAX_IDLE_ENDPOINTS:
+            if reusable and not self._closed and len(self._idle) < self._max_idle:
                 self._idle.append(ep)
             else:
                 with contextlib.suppress(Exception):
@@ -336,23 +362,43 @@ class UcxTransport:
 
 
 class UcxLink:
-    """Whether and how one StoreClient uses UCX. `mode`: True requires it (Unavailable when it
-    cannot be used), None uses it when possible, False never. Thread-safe."""
+    """Which bulk data path one StoreClient's remote calls take: UCX, TCP or (None) gRPC streams.
 
-    def __init__(self, mode: bool | None, grpc_address: str) -> None:
+    `ucx` and `tcp` are the client's modes: True requires that path (Unavailable when it cannot
+    be used), False never uses it, None uses it when possible. With both on auto, UCX is chosen
+    when the environment configures a fabric for it (see `fabric_configured`); otherwise TCP
+    (over plain TCP, UCX adds nothing and measures slower); otherwise UCX if it is the only one;
+    otherwise gRPC. A transport failure sends the client to gRPC for good (said once in the log,
+    as is the first choice). Thread-safe.
+    """
+
+    def __init__(self, mode: bool | None, grpc_address: str, tcp: bool | None = None) -> None:
         self.mode = mode
+        self.tcp_mode = tcp
         host, sep, _ = grpc_address.rpartition(":")
         self._grpc_host = host.strip("[]") if sep and not grpc_address.startswith("unix:") else ""
         self._lock = threading.Lock()
         self._key: object = None
         self._transport: UcxTransport | None = None
-        self._given_up = mode is False
+        self._given_up = mode is False and tcp is False
+
+    @property
+    def off(self) -> bool:
+        """True when this client never uses a bulk path (both modes False, or given up)."""
+        return self._given_up
 
     def transport(
-        self, key: object, address: str, *, timeout_s: float, max_page_bytes: int
+        self,
+        key: object,
+        address: str,
+        *,
+        timeout_s: float,
+        max_page_bytes: int,
+        tcp_address: str = "",
     ) -> UcxTransport | None:
         """The transport for the connection `key` to a daemon advertising `address` ("ucx://...",
-        "" for none), opened on first use; None: use gRPC."""
+        "" for none) and `tcp_address` ("tcp://...", "" for none), opened on first use; None:
+        use gRPC."""
         with self._lock:
             if self._given_up:
                 return None
@@ -362,12 +408,9 @@ class UcxLink:
             if old is not None:
                 old.close()
             try:
-                if not ucxx_installed():
-                    raise TransportFailed("ucxx is not installed (the `ucx` extra)")
-                if not address:
-                    raise TransportFailed("the store has no UCX listener")
+                chosen = self._choose(address, tcp_address)
                 transport = UcxTransport(
-                    address, fallback_host=self._grpc_host, max_page_bytes=max_page_bytes
+                    chosen, fallback_host=self._grpc_host, max_page_bytes=max_page_bytes
                 )
                 try:
                     transport.open(timeout_s)
@@ -378,27 +421,38 @@ class UcxLink:
                 self._give_up_locked(exc, logging.INFO)
                 return None
             self._transport = transport
-            log.info("UCX data path to %s", address)
+            log.info("bulk data path to %s", chosen)
             return transport
 
+    def _choose(self, ucx_address: str, tcp_address: str) -> str:
+        """The address to use; TransportFailed when none (or not the one required)."""
+        ucx_usable = self.mode is not False and bool(ucx_address) and ucxx_installed()
+        tcp_usable = self.tcp_mode is not False and bool(tcp_address)
+        if self.mode is True:
+            if not ucxx_installed():
+                raise TransportFailed("ucxx is not installed (the `ucx` extra)")
+            if not ucx_address:
+                raise TransportFailed("the store has no UCX listener")
+            return ucx_address
+        if self.tcp_mode is True:
+            if not tcp_address:
+                raise TransportFailed("the store has no TCP data listener")
+            return tcp_address
+        if ucx_usable and (fabric_configured() or not tcp_usable):
+            return ucx_address
+        if tcp_usable:
+            return tcp_address
+        if self.mode is not False and ucx_address:
+            raise TransportFailed("ucxx is not installed (the `ucx` extra)")
+        raise TransportFailed("the store has no bulk data listener")
+
     def give_up(self, exc: TransportFailed) -> None:
-        """Stop using UCX for this client (raises `exc` when UCX was required)."""
+        """Stop using the bulk path for this client (raises `exc` when it was required)."""
         with self._lock:
             transport, self._transport = self._transport, None
             if transport is not None:
                 transport.close()
             self._give_up_locked(exc, logging.WARNING)
-
-    def _give_up_locked(self, exc: TransportFailed, level: int) -> None:
-        if self.mode is True:
-            raise Unavailable(f"UCX was required but cannot be used: {exc}") from exc
-        if not self._given_up:
-            log.log(level, "UCX data path not used (%s); this client uses gRPC", exc)
-        self._given_up = True
-
-    @property
-    def active(self) -> bool:
-        return self._transport is not None
 
     def close(self) -> None:
         with self._lock:
@@ -406,3 +460,12 @@ class UcxLink:
             self._given_up = True
         if transport is not None:
             transport.close()
+
+    def _give_up_locked(self, exc: TransportFailed, level: int) -> None:
+        if self.mode is True:
+            raise Unavailable(f"UCX was required but cannot be used: {exc}") from exc
+        if self.tcp_mode is True:
+            raise Unavailable(f"the TCP data path was required but cannot be used: {exc}") from exc
+        if not self._given_up:
+            log.log(level, "bulk data path not used (%s); this client uses gRPC", exc)
+        self._given_up = True

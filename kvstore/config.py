@@ -79,6 +79,9 @@ class ServerConfig:
     # The UCX bulk data path (needs the `ucx` extra): true = serve it when ucxx imports.
     ucx: bool = True
     ucx_port: int = 0  # 0 = any free port (advertised in NodeInfo)
+    # The TCP bulk data path (remote put/get over plain sockets, the UCX framing): true = serve it.
+    tcp: bool = True
+    tcp_port: int = 0  # 0 = any free port (advertised in NodeInfo)
 
 
 @dataclass(frozen=True, slots=True)

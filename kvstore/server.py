@@ -37,7 +37,7 @@ from kvstore.metrics import (
 )
 from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store
-from kvstore.ucx_server import UcxServer
+from kvstore.ucx_server import BulkServer
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class DaemonInfo:
     metrics_url: str
     segment_name: str
     ucx_address: str = ""  # "ucx://host:port", or "" without a UCX listener
+    tcp_address: str = ""  # "tcp://host:port", or "" without a TCP data listener
 
 
 class Daemon:
@@ -132,7 +133,7 @@ class Daemon:
         self._stop_metrics: Callable[[], None] | None = None
         self.info: DaemonInfo | None = None
         self._lane: LaneServer | None = None
-        self._ucx: UcxServer | None = None
+        self._ucx: BulkServer | None = None
         self.registration: Registration | None = None
 
     def start(self) -> DaemonInfo:
@@ -166,8 +167,8 @@ class Daemon:
                     )
                     self._lane = None
                     service.node = dataclasses.replace(service.node, local_address="")
-            if cfg.server.ucx:
-                self._start_ucx(store, service)
+            if cfg.server.ucx or cfg.server.tcp:
+                self._start_bulk(store, service)
             self.server = server
             self._health = health_servicer
             if cfg.cluster.enabled:
@@ -214,27 +215,39 @@ class Daemon:
             metrics_url=metrics_url,
             segment_name=store.tiers.dram.segment_name,
             ucx_address=service.node.ucx_address,
+            tcp_address=service.node.tcp_address,
         )
         log.info(
-            "serving on %s (local %s, ucx %s); tiers: %s; %d pages rebuilt from SSD; metrics %s",
+            "serving on %s (local %s, ucx %s, tcp %s); tiers: %s; %d pages rebuilt from SSD; "
+            "metrics %s",
             self.info.address,
             local or "none",
             service.node.ucx_address or "off",
+            service.node.tcp_address or "off",
             self.describe_tiers(),
             store.rebuilt_pages,
             metrics_url or "off",
         )
         return self.info
 
-    def _start_ucx(self, store: Store, service: StoreService) -> None:
-        """Serve the UCX data path if ucxx is usable here; else remote clients use gRPC."""
-        ucx = UcxServer(store, self.config.server.host, self.config.server.ucx_port)
-        try:
-            service.node = dataclasses.replace(service.node, ucx_address=ucx.start())
-        except Unavailable as exc:
-            log.info("no UCX data path (%s); remote clients use gRPC streams", exc)
-            return
-        self._ucx = ucx
+    def _start_bulk(self, store: Store, service: StoreService) -> None:
+        """Serve the bulk data paths configured (UCX where ucxx is usable, TCP); remote clients
+        use gRPC streams where neither runs."""
+        server = self.config.server
+        bulk = BulkServer(store, server.host)
+        node = service.node
+        if server.ucx:
+            try:
+                node = dataclasses.replace(node, ucx_address=bulk.start_ucx(server.ucx_port))
+            except Unavailable as exc:
+                log.info("no UCX data path (%s)", exc)
+        if server.tcp:
+            try:
+                node = dataclasses.replace(node, tcp_address=bulk.start_tcp(server.tcp_port))
+            except Unavailable as exc:
+                log.warning("no TCP data path (%s)", exc)
+        service.node = node
+        self._ucx = bulk
 
     def _member(self, node_id: str, port: int, host: str) -> Member:
         assert self.store is not None

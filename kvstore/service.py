@@ -57,6 +57,7 @@ class NodeIdentity:
     host_id: str
     local_address: str  # "lane:/path" (the same-host lane) or ""
     ucx_address: str = ""  # "ucx://host:port" (the UCX data path) or ""
+    tcp_address: str = ""  # "tcp://host:port" (the TCP data path) or ""
 
 
 def _abort(context: grpc.ServicerContext, exc: StrataError) -> None:
@@ -178,6 +179,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             ],
             local_address=self.node.local_address,
             ucx_address=self.node.ucx_address,
+            tcp_address=self.node.tcp_address,
         )
 
     @unary

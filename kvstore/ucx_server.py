@@ -1,13 +1,15 @@
-"""The daemon's end of the UCX bulk data path (framing in client/ucx_protocol.py).
+"""The daemon's end of the bulk data paths, UCX and TCP (framing in client/ucx_protocol.py).
 
-A ucxx listener on the process's UCX loop (client/ucx_runtime.py). Each connected endpoint is served
+A ucxx listener and a TCP listener on the process's bulk loop (client/ucx_runtime.py); both
+kinds of connection are served by the same code (a TCP socket behaves as a ucxx endpoint,
+client/tcp_endpoint.py). Each connected endpoint is served
 one request at a time: a get acquires its pages, sends them straight from their DRAM slots and
 releases them; a put reserves DRAM slots, receives each payload straight into its slot, verifies
 every checksum (a network receive), then commits — or aborts and stores nothing. Typed errors go
 back as ERROR frames; the connection stays usable. A client that disconnects mid-transfer only
 ends its own connection: its leases are released or aborted, the daemon keeps serving.
 
-`ucxx` is imported only by `start()`: a daemon without it serves gRPC alone.
+`ucxx` is imported only by `start_ucx()`: a daemon without it serves TCP and gRPC.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +26,7 @@ from google.protobuf.message import DecodeError
 from client.errors import Corrupt, InvalidArgument, StrataError, Unavailable
 from client.page import PageHeader
 from client.scope import KEY_BYTES, unpack_keys
+from client.tcp_endpoint import SocketEndpoint
 from client.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -31,6 +35,7 @@ from client.ucx_protocol import (
     KIND_PUT,
     KIND_WANT,
     PREAMBLE,
+    TCP_SCHEME,
     ManifestEntry,
     ProtocolError,
     decode_put,
@@ -41,7 +46,7 @@ from client.ucx_protocol import (
     preamble,
     settle,
 )
-from client.ucx_runtime import ucx_runtime
+from client.ucx_runtime import bulk_loop, ucx_runtime
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
 from kvstore_pb import store_pb2
@@ -50,21 +55,23 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 5.0
+_TCP_BACKLOG = 128
 
 
-class UcxServer:
-    """Serves the UCX data path of `store` on `host`:`port` (0 = any free port).
-
-    `start()` returns the address to advertise ("ucx://host:port") and raises Unavailable when
-    ucxx cannot be imported or the listener cannot start; `stop()` closes every connection.
+class BulkServer:
+    """Serves the bulk data paths of `store` on `host`: UCX (`start_ucx`) and TCP (`start_tcp`),
+    port 0 = any free port. Each start returns the address to advertise ("ucx://host:port",
+    "tcp://host:port") and raises Unavailable when that listener cannot start (for UCX also
+    when ucxx cannot be imported); `stop()` closes the listeners and every connection.
     """
 
-    def __init__(self, store: Store, host: str, port: int = 0) -> None:
+    def __init__(self, store: Store, host: str) -> None:
         self._store = store
         self._host = host
-        self._port = port
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._listener: Any = None
+        self._listener: Any = None  # the ucxx listener
+        self._tcp_socket: socket.socket | None = None
+        self._tcp_accepting: asyncio.Task[None] | None = None
         self._endpoints: set[Any] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         limits = store.config.limits
@@ -73,39 +80,75 @@ class UcxServer:
         # a transfer must end well before its lease could run out under it
         self._put_timeout_s = limits.max_lease_ttl_ms / 2000
         self._get_timeout_s = limits.lease_ttl_ms / 2000
-        self.address = ""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> str:
+    def start_ucx(self, port: int = 0) -> str:
         ucxx, loop = ucx_runtime()  # raises Unavailable without a usable ucxx
 
         async def listen() -> Any:
-            return ucxx.create_listener(self._accept, port=self._port)
+            return ucxx.create_listener(self._accept, port=port)
 
         try:
             self._listener = asyncio.run_coroutine_threadsafe(listen(), loop).result(
                 _START_TIMEOUT_S
             )
         except Exception as exc:
-            raise Unavailable(f"no UCX listener on port {self._port}: {exc}") from None
+            raise Unavailable(f"no UCX listener on port {port}: {exc}") from None
         self._loop = loop
-        self.address = format_address(self._host, int(self._listener.port))
-        log.info("UCX data path listening at %s", self.address)
-        return self.address
+        address = format_address(self._host, int(self._listener.port))
+        log.info("UCX data path listening at %s", address)
+        return address
+
+    def start_tcp(self, port: int = 0) -> str:
+        loop = bulk_loop()
+        try:
+            family, kind, proto, _, where = socket.getaddrinfo(
+                self._host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise Unavailable(f"no TCP data listener on {self._host}:{port}: {exc}") from None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(where)
+            sock.listen(_TCP_BACKLOG)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(f"no TCP data listener on {self._host}:{port}: {exc}") from None
+
+        async def accept() -> None:
+            while True:
+                conn, _ = await loop.sock_accept(sock)
+                # held here until it runs (it then tracks itself in _handlers)
+                self._handlers.add(asyncio.ensure_future(self._accept(SocketEndpoint(conn, loop))))
+
+        async def listen() -> asyncio.Task[None]:
+            return asyncio.ensure_future(accept())
+
+        self._tcp_accepting = asyncio.run_coroutine_threadsafe(listen(), loop).result(
+            _START_TIMEOUT_S
+        )
+        self._tcp_socket, self._loop = sock, loop
+        address = format_address(self._host, int(sock.getsockname()[1]), TCP_SCHEME)
+        log.info("TCP data path listening at %s", address)
+        return address
 
     def stop(self) -> None:
-        """Close the listener and every connection (their leases are released). The process's
-        UCX loop itself lives on (client/ucx_runtime.py)."""
+        """Close the listeners and every connection (their leases are released). The process's
+        bulk loop itself lives on (client/ucx_runtime.py)."""
         loop, self._loop = self._loop, None
         if loop is None:
             return
         try:
             asyncio.run_coroutine_threadsafe(self._close(), loop).result(_STOP_TIMEOUT_S * 2)
         except Exception as exc:
-            log.warning("UCX listener did not close cleanly: %r", exc)
+            log.warning("bulk data listeners did not close cleanly: %r", exc)
 
     async def _close(self) -> None:
+        if self._tcp_accepting is not None:  # no new connections while the old ones end
+            self._tcp_accepting.cancel()
         for ep in list(self._endpoints):
             with contextlib.suppress(Exception):
                 ep.abort()
@@ -116,6 +159,12 @@ class UcxServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._tcp_accepting is not None:
+            self._tcp_accepting.cancel()
+            self._tcp_accepting = None
+        if self._tcp_socket is not None:
+            self._tcp_socket.close()
+            self._tcp_socket = None
 
     # ---- connections -------------------------------------------------------------------------
 
@@ -124,6 +173,7 @@ class UcxServer:
         assert task is not None
         self._handlers.add(task)
         self._endpoints.add(ep)
+        path = "tcp" if isinstance(ep, SocketEndpoint) else "ucx"  # for the byte counters
         try:
             while True:
                 head = bytearray(PREAMBLE.size)
@@ -133,9 +183,9 @@ class UcxServer:
                 if frame.meta_bytes:
                     await ep.recv(meta)
                 if frame.kind == KIND_GET:
-                    await self._get(ep, meta)
+                    await self._get(ep, meta, path)
                 elif frame.kind == KIND_PUT:
-                    await self._put(ep, frame.aux, meta)
+                    await self._put(ep, frame.aux, meta, path)
                 else:
                     raise ProtocolError(f"unexpected UCX frame kind {frame.kind}")
         except ProtocolError as exc:
@@ -157,7 +207,7 @@ class UcxServer:
 
     # ---- get -------------------------------------------------------------------------------
 
-    async def _get(self, ep: Any, meta: bytearray) -> None:
+    async def _get(self, ep: Any, meta: bytearray, path: str) -> None:
         store = self._store
         try:
             try:
@@ -197,14 +247,14 @@ class UcxServer:
                 await settle([ep.send(v) for v in views], self._get_timeout_s, ep)
             finally:
                 admission.__exit__(None, None, None)
-            store.counters.add_bytes("ucx", "out", io, total)
+            store.counters.add_bytes(path, "out", io, total)
         finally:
             if acq.lease_id:
                 await asyncio.to_thread(store.release, acq.lease_id)
 
     # ---- put -------------------------------------------------------------------------------
 
-    async def _put(self, ep: Any, page_count: int, meta: bytearray) -> None:
+    async def _put(self, ep: Any, page_count: int, meta: bytearray, path: str) -> None:
         store = self._store
         limits = store.config.limits
         try:
@@ -242,7 +292,7 @@ class UcxServer:
             finally:
                 admission.__exit__(None, None, None)
             try:
-                await asyncio.to_thread(self._verify_and_commit, res, headers, tier, io)
+                await asyncio.to_thread(self._verify_and_commit, res, headers, tier, io, path)
                 lease = 0  # committed: the lease has ended
             except StrataError as exc:
                 await self._send_error(ep, exc)
@@ -258,7 +308,12 @@ class UcxServer:
                 await asyncio.to_thread(store.abort, lease)
 
     def _verify_and_commit(
-        self, res: Reservation, headers: Sequence[bytes], tier: Tier | None, io: IoClass
+        self,
+        res: Reservation,
+        headers: Sequence[bytes],
+        tier: Tier | None,
+        io: IoClass,
+        path: str,
     ) -> int:
         """Check every received payload against its header; commit all or (raising) none."""
         store = self._store
@@ -278,4 +333,4 @@ class UcxServer:
                 f"{len(bad)} page(s) failed the payload checksum after the network receive "
                 f"(first: page {bad[0]}); nothing of this put was stored"
             )
-        return store.commit(res.lease_id, tier, io, path="ucx")
+        return store.commit(res.lease_id, tier, io, path=path)

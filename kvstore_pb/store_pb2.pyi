@@ -224,6 +224,7 @@ class NodeInfoResponse(_message.Message):
     SEGMENTS_FIELD_NUMBER: _builtins.int
     LOCAL_ADDRESS_FIELD_NUMBER: _builtins.int
     UCX_ADDRESS_FIELD_NUMBER: _builtins.int
+    TCP_ADDRESS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     host_id: _builtins.str
     api_version: _builtins.int
@@ -232,6 +233,8 @@ class NodeInfoResponse(_message.Message):
     """"lane:/path": the same-host control lane (unix socket), if any"""
     ucx_address: _builtins.str
     """"ucx://host:port": the UCX bulk data listener, if any"""
+    tcp_address: _builtins.str
+    """"tcp://host:port": the TCP bulk data listener, if any"""
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierInfo]: ...
     @_builtins.property
@@ -250,10 +253,11 @@ class NodeInfoResponse(_message.Message):
         segments: _abc.Iterable[Global___SharedSegment] | None = ...,
         local_address: _builtins.str = ...,
         ucx_address: _builtins.str = ...,
+        tcp_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_version", b"api_version", "host_id", b"host_id", "limits", b"limits", "local_address", b"local_address", "node_id", b"node_id", "segments", b"segments", "server_version", b"server_version", "tiers", b"tiers", "ucx_address", b"ucx_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["api_version", b"api_version", "host_id", b"host_id", "limits", b"limits", "local_address", b"local_address", "node_id", b"node_id", "segments", b"segments", "server_version", b"server_version", "tcp_address", b"tcp_address", "tiers", b"tiers", "ucx_address", b"ucx_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

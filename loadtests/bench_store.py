@@ -3,7 +3,8 @@
 The daemon runs in its own process (started here on loopback, port 0, in a temporary folder).
 For each batch shape (64 x 64 KiB, 64 x 1 MiB, 16 x 4 MiB by default) it times, in the same run:
 a plain memcpy of the same bytes into the same destination buffers; put and get through the
-same-host shared-memory path; and put and get through the remote gRPC path. Then a lookup of a
+same-host shared-memory path; and put and get through the remote paths, TCP and gRPC (and UCX, on
+a second daemon, where ucxx is installed). Then a lookup of a
 512-page chain (hit and miss), a get that misses, and SSD-tier reads against `fio` where it is
 installed. Prints GB/s, p50/p99 per batch call and ratios to memcpy; `--json PATH` writes it all.
 """
@@ -229,7 +230,7 @@ def bench_ucx(folder: Path, ns: argparse.Namespace) -> list[Timing]:
     in the same run, so its ratios are side by side too)."""
     rows: list[Timing] = []
     with DaemonProcess(folder, dram="2GiB", ssd="0", extra=["--set", "server.ucx=true"]) as daemon:
-        client = StoreClient(daemon.address, shared_memory=False, ucx=None, timeout_s=60)
+        client = StoreClient(daemon.address, shared_memory=False, tcp=False, timeout_s=60)
         try:
             client.connect()
             if client.transport != "ucx":
@@ -281,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"strata bench store: daemon in its own process, state in {folder}", flush=True)
     with DaemonProcess(folder, dram="2GiB", ssd="2GiB") as daemon:
         shm = StoreClient(daemon.address, shared_memory=True, ucx=False, timeout_s=60)
-        grpc_client = StoreClient(daemon.address, shared_memory=False, ucx=False, timeout_s=60)
-        paths = [("same-host", shm), ("remote gRPC", grpc_client)]
+        grpc_client = StoreClient(
+            daemon.address, shared_memory=False, ucx=False, tcp=False, timeout_s=60
+        )
+        tcp_client = StoreClient(
+            daemon.address, shared_memory=False, ucx=False, tcp=True, timeout_s=60
+        )
+        paths = [("same-host", shm), ("remote TCP", tcp_client), ("remote gRPC", grpc_client)]
         try:
             for shape in ns.shapes.split(","):
                 count, page_bytes = SHAPES[shape]

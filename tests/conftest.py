@@ -201,7 +201,9 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
             "server.workers": "8",
             "data_dir": str(data),
             "dram.capacity_bytes": dram,
-            "server.ucx": "false",  # remote clients stream over gRPC; UCX suites turn it on
+            # remote clients stream over gRPC; the UCX and TCP suites turn their paths on
+            "server.ucx": "false",
+            "server.tcp": "false",
         }
         if ssd is None:
             values["ssd.enabled"] = "false"

@@ -355,6 +355,6 @@ def test_daemons_and_clients_of_a_process_share_one_ucx_loop(daemon_factory: Dae
         assert client.put(scope, pages).stored == 2, round_
         assert client.get(scope, keys_of(pages), buffers(scope, 2)).hit_count == 2
         daemon.stop()
-    ucx_threads = [t.name for t in threading.enumerate() if t.name.startswith("strata-ucx")]
-    assert ucx_threads == ["strata-ucx"]
+    bulk_threads = [t.name for t in threading.enumerate() if t.name.startswith("strata-bulk")]
+    assert bulk_threads == ["strata-bulk"]
     assert len(application_context.ProgressTasks) == 1
