@@ -45,24 +45,28 @@ def test_serve_starts_prints_and_serves_both_paths(tmp_path: Path) -> None:
         assert proc.metrics_url.startswith("http://127.0.0.1:"), text
         assert proc.local_address, text
         assert os.path.exists(f"/dev/shm/{proc.segment}")
+        assert re.search(r"tcp tcp://127\.0\.0\.1:\d+", text), text
         with (
             StoreClient(proc.address, shared_memory=True) as shm,
-            StoreClient(proc.address, shared_memory=False, ucx=False) as rpc,
+            StoreClient(proc.address, shared_memory=False, ucx=False) as tcp,
+            StoreClient(proc.address, shared_memory=False, ucx=False, tcp=False) as rpc,
         ):
-            shm.connect()
-            rpc.connect()
-            assert (shm.transport, rpc.transport) == ("shm", "grpc")
+            for client in (shm, tcp, rpc):
+                client.connect()
+            assert (shm.transport, tcp.transport, rpc.transport) == ("shm", "tcp", "grpc")
             a, b = chain(scope, 4, seed=40), chain(scope, 4, seed=41)
+            c = chain(scope, 4, seed=39)
             assert shm.put(scope, a).stored == 4
             assert rpc.put(scope, b).stored == 4
-            for client in (shm, rpc):
-                assert_intact(client, scope, a + b)
+            assert tcp.put(scope, c).stored == 4
+            for client in (shm, tcp, rpc):
+                assert_intact(client, scope, a + b + c)
                 assert client.lookup(scope, keys_of(a)).tiers == (Tier.DRAM,) * 4
-            assert rpc.stats().pages == 8
+            assert rpc.stats().pages == 12
         with urllib.request.urlopen(proc.metrics_url, timeout=10) as reply:
             metrics = reply.read().decode()
-        assert 'strata_hits_total{tier="dram"} 16.0' in metrics
-        assert f'strata_tier_used_bytes{{tier="dram"}} {8.0 * PAGE_BYTES}' in metrics
+        assert 'strata_hits_total{tier="dram"} 36.0' in metrics  # 12 pages read by 3 clients
+        assert f'strata_tier_used_bytes{{tier="dram"}} {12.0 * PAGE_BYTES}' in metrics
 
 
 def test_kill_9_then_restart_serves_ssd_pages(tmp_path: Path) -> None:
