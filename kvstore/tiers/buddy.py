@@ -120,22 +120,41 @@ class BuddyAllocator:
         return offset
 
     def allocate_many(self, nbytes: int, count: int) -> list[int]:
-        """Allocate up to `count` blocks of at least `nbytes` each, as `allocate` would one by one
-        (in one call); mutates. Returns their offsets: fewer than `count` when space runs out."""
+        """Allocate up to `count` blocks of at least `nbytes` each, leaving the same blocks
+        allocated and free as `allocate` called that many times would (in one call); mutates.
+        Returns their offsets: fewer than `count` when space runs out."""
         order = self._order_for(nbytes)
-        exact, allocated = self._free[order], self._allocated
+        size = self._min_block << order
+        free, allocated = self._free, self._allocated
         out: list[int] = []
         while len(out) < count:
-            if not exact:  # split a larger block (allocate leaves the high halves free)
-                offset = self.allocate(nbytes)
-                if offset is None:
-                    break
+            if free[order]:
+                offset = free[order].pop()
+                allocated[offset] = order
                 out.append(offset)
+                self._used += size
                 continue
-            offset = exact.pop()
-            allocated[offset] = order
-            self._used += self._min_block << order
-            out.append(offset)
+            found = order + 1
+            while found <= self._max_order and not free[found]:
+                found += 1
+            if found > self._max_order:
+                break
+            # carve the smallest larger block: its first units are taken, the rest is freed as
+            # the aligned blocks one-by-one splitting would have left (no two free buddies)
+            base = free[found].pop()
+            units = 1 << (found - order)
+            take = min(units, count - len(out))
+            for u in range(take):
+                allocated[base + u * size] = order
+                out.append(base + u * size)
+            self._used += take * size
+            u = take
+            while u < units:
+                k = (u & -u).bit_length() - 1
+                while u + (1 << k) > units:
+                    k -= 1
+                free[order + k].add(base + u * size)
+                u += 1 << k
         return out
 
     def free(self, offset: int) -> int:

@@ -211,7 +211,14 @@ def test_allocate_many_matches_allocating_one_by_one() -> None:
     batch = many.allocate_many(2 * MIN, 40)
     assert sorted(batch) == sorted(o for o in singles if o is not None)
     assert many.used_bytes == one.used_bytes
+    assert many._free == one._free  # the same free blocks left behind
     many.check_integrity()
+    for n in (1, 3, 8, 100):  # carving larger blocks, across several of them
+        a, b = BuddyAllocator(1 << 20, MIN), BuddyAllocator(1 << 20, MIN)
+        seq = [a.allocate(MIN) for _ in range(n)]
+        assert sorted(b.allocate_many(MIN, n)) == sorted(o for o in seq if o is not None)
+        assert (a._free, a.used_bytes) == (b._free, b.used_bytes)
+        b.check_integrity()
 
 
 def test_allocate_many_stops_when_full() -> None:
