@@ -199,9 +199,11 @@ class Index:
             raise InvalidArgument(f"page {entry.key.hex()} is already in the index")
         self._insert(entry)
 
-    def insert_many(self, entries: Sequence[PageEntry]) -> None:
+    def insert_many(self, entries: Sequence[PageEntry], *, checked: bool = False) -> None:
         """`insert` each entry in order, in one call: all of them or (raising InvalidArgument,
-        for any entry `insert` would refuse or a key given twice) none.
+        for any entry `insert` would refuse or a key given twice) none. `checked`: the caller
+        built the entries from validated page headers, so their fields are not checked again
+        (presence and duplicates still are).
 
         The same result as inserting them one by one, but every entry is registered before any
         is filed, so a parent arriving with its children in the same call is filed once, in the
@@ -209,7 +211,8 @@ class Index:
         """
         batch: set[bytes] = set()
         for entry in entries:
-            _validate(entry)
+            if not checked:
+                _validate(entry)
             key = entry.key
             if key in self._entries or key in batch:
                 raise InvalidArgument(f"page {key.hex()} is already in the index")

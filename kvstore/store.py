@@ -393,7 +393,7 @@ class Store:
                         pending.offset,
                     )
                 )
-            index.insert_many(entries)
+            index.insert_many(entries, checked=True)  # built from headers plan_put checked
             self.events.publish_many(
                 [
                     (EventKind.STORED, e.key, e.scope_digest, e.payload_bytes, None, Tier.DRAM)

@@ -317,6 +317,10 @@ def test_insert_many_is_all_or_nothing() -> None:
             index.insert_many(bad)
         assert len(index) == 1 and index.get(k("a")) is None
         index.check_integrity()
+    for bad in ([page("a", dram=2), page("b", dram=2)], [page("a", dram=2), page("a", dram=3)]):
+        with pytest.raises(InvalidArgument):  # checked entries: presence and repeats still count
+            index.insert_many(bad, checked=True)
+        assert len(index) == 1
 
 
 def test_pin_as_hit_is_pin_and_touch() -> None:
