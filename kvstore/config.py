@@ -105,7 +105,6 @@ class SsdConfig:
     write_mode: str = "write-back"
     # fsync every write batch (slower; survives power loss, not just a process crash).
     sync_writes: bool = False
-    min_blob_bytes: int = 4096
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,7 +138,6 @@ class Store:
                     config.ssd_path,
                     config.ssd.capacity_bytes,
                     sync_writes=config.ssd.sync_writes,
-                    min_blob_bytes=config.ssd.min_blob_bytes,
                 )
             if config.gpu.enabled:
                 gpu = GpuTier(config.gpu.capacity_bytes, config.gpu.device)

@@ -1,10 +1,10 @@
 """The SSD tier's RocksDB layout: column families, opening, header iteration and salvage.
 
 Two column families share the 16-byte page key: the headers family holds each page's encoded
-PageHeader (small, so a restart scan reads only these) and `payloads` holds the raw payload, with
-blob files on (values of `min_blob_bytes` or more go to uncompressed blob files, so large values
-never pass through compaction). Nothing is compressed: KV payloads do not compress, and headers
-are mostly digests.
+PageHeader (small, so a restart scan reads these and not the payloads) and `payloads` holds
+where the payload is in the tier's segment files (kvstore/tiers/segments.py): payloads never
+pass through RocksDB, its compactions or its block cache. Nothing is compressed: the values are
+mostly digests and offsets.
 
 Salvage: a damaged block in an SST file of the headers would make every later compaction of that
 file fail, and RocksDB then refuses all writes. So the scan copies every header that passes its
@@ -91,17 +91,14 @@ def _header_options() -> Options:
     return opts
 
 
-def _payload_options(min_blob_bytes: int) -> Options:
+def _payload_options() -> Options:
+    """The payloads family holds each payload's location in the segment files (20 bytes)."""
     opts = Options(raw_mode=True)
     opts.set_compression_type(DBCompressionType.none())
-    opts.set_enable_blob_files(True)
-    opts.set_min_blob_size(min_blob_bytes)
-    opts.set_blob_compression_type(DBCompressionType.none())
-    opts.set_enable_blob_gc(True)
     return opts
 
 
-def open_rocks(path: Path, min_blob_bytes: int) -> RocksHandles:
+def open_rocks(path: Path) -> RocksHandles:
     """Open (or create) the database at `path`; drops a headers family left by a broken salvage.
 
     Raises Unavailable when RocksDB cannot open it (e.g. another process holds its LOCK).
@@ -117,7 +114,7 @@ def open_rocks(path: Path, min_blob_bytes: int) -> RocksHandles:
         families = {name: _header_options() for name in names if _is_headers(name)}
         if not families:
             families[HEADERS_CF] = _header_options()
-        families[PAYLOADS_CF] = _payload_options(min_blob_bytes)
+        families[PAYLOADS_CF] = _payload_options()
         db = Rdict(str(path), db_opts, column_families=families)
     except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
         raise Unavailable(f"cannot open ssd tier at {path}: {exc}") from exc

@@ -732,10 +732,11 @@ def test_write_into_a_full_tier_with_nothing_evictable(
 
 
 def flip_in_files(folder: Path, pattern: bytes, delta: int) -> list[str]:
-    """Flip the byte `delta` past each occurrence of `pattern` in RocksDB's blob and SST files."""
+    """Flip the byte `delta` past each occurrence of `pattern` in the tier's payload segment files
+    and RocksDB's SST files."""
     hit: list[str] = []
-    for path in sorted(folder.iterdir()):
-        if path.suffix not in (".blob", ".sst"):
+    for path in sorted(folder.rglob("*")):
+        if path.suffix not in (".seg", ".sst"):
             continue
         data = path.read_bytes()
         at = data.find(pattern)
@@ -759,7 +760,7 @@ def test_flipped_byte_in_an_ssd_page(daemon_factory: DaemonFactory, scope: Scope
     d.stop()  # a clean stop flushes the SSD tier to its files
     victim = on_ssd[1]
     hit = flip_in_files(data_dir / "ssd", bytes(victim.payload[:64]), 100)
-    assert hit, "the page's payload was not found in any blob or SST file"
+    assert hit == ["00000001.seg"], hit  # payloads never pass through RocksDB
 
     d = daemon_factory(data_dir=data_dir)
     assert d.store.rebuilt_pages == 4  # the index is rebuilt from the (intact) headers

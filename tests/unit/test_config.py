@@ -47,7 +47,6 @@ def test_defaults() -> None:
     assert c.ssd.capacity_bytes == 8 * GiB
     assert (c.ssd.admission, c.ssd.write_mode) == ("always", "write-back")
     assert c.ssd.sync_writes is False
-    assert c.ssd.min_blob_bytes == 4096
     assert (c.gpu.enabled, c.gpu.device, c.gpu.capacity_bytes) == (False, "cuda", 1 * GiB)
     assert c.limits.max_keys_per_call == 4096
     assert c.limits.max_page_bytes == 64 * MiB
@@ -199,12 +198,12 @@ def test_booleans_from_strings(text: str, expected: bool) -> None:
 def test_typed_values_from_toml(tmp_path: Path) -> None:
     path = _toml(
         tmp_path,
-        "[ssd]\nsync_writes = true\nmin_blob_bytes = 65536\n"
+        "[ssd]\nsync_writes = true\ncapacity_bytes = 65536\n"
         "[dram]\nhigh_watermark = 0.9\nlow_watermark = 0.5\ncapacity-bytes = 4194304\n",
     )
     c = load_config(file=path, env={})
     assert c.ssd.sync_writes is True
-    assert c.ssd.min_blob_bytes == 64 * KiB
+    assert c.ssd.capacity_bytes == 64 * KiB
     assert (c.dram.high_watermark, c.dram.low_watermark) == (0.9, 0.5)
     assert c.dram.capacity_bytes == 4 * MiB  # dashes in keys are accepted as underscores
 

@@ -75,7 +75,7 @@ def _flip_in_files(
 ) -> list[str]:
     """Flip the byte `delta` past each occurrence of `pattern` in the named files; their names."""
     hit: list[str] = []
-    for path in sorted(folder.iterdir()):
+    for path in sorted(folder.rglob("*")):
         if path.suffix not in suffixes:
             continue
         data = path.read_bytes()
@@ -184,8 +184,8 @@ def test_flipped_payload_byte_is_corrupt(db_path: Path) -> None:
     tier.write(header, payload)
     tier.write(good, good_payload)
     tier.close()
-    hit = _flip_in_files(db_path, marker, 5, (".blob", ".sst"))
-    assert hit, "payload marker not found in any blob or SST file"
+    hit = _flip_in_files(db_path, marker, 5, (".seg", ".blob", ".sst"))
+    assert hit == ["00000001.seg"], hit  # payloads live in segment files, never in RocksDB
 
     tier = SsdTier(db_path, 100 * PAGE_BYTES)
     try:
@@ -299,3 +299,117 @@ def test_capacity_is_enforced(db_path: Path) -> None:
         assert tier.used_bytes == 2 * PAGE_BYTES
     finally:
         tier.close()
+
+
+# ---- payload segment files ----------------------------------------------------------------------
+
+
+def _segment_files(db_path: Path) -> list[str]:
+    return sorted(p.name for p in (db_path / "segments").glob("*.seg"))
+
+
+def test_sparse_segments_are_compacted_and_empty_ones_deleted(db_path: Path) -> None:
+    tier = SsdTier(db_path, 400 * PAGE_BYTES)
+    n = tier._files._segment_bytes // make_scope().page_payload_bytes  # payloads per file
+    pages = make_chain(3 * n + 2)
+    try:
+        for header, payload in pages[: 3 * n]:
+            tier.write(header, payload)
+        assert len(_segment_files(db_path)) == 3
+        for header, _ in pages[:n]:  # all of the first file: it goes at once
+            tier.delete(header.key)
+        assert "00000001.seg" not in _segment_files(db_path)
+        for header, _ in pages[n : 2 * n - 5]:  # most of the second: compacted at the next write
+            tier.delete(header.key)
+        assert "00000002.seg" in _segment_files(db_path)
+        tier.write(*pages[3 * n])
+        assert "00000002.seg" not in _segment_files(db_path)
+        files = tier._files
+        assert files.disk_bytes <= 2 * tier.used_bytes + files._segment_bytes
+        live = pages[2 * n - 5 : 3 * n + 1]
+        for header, payload in live:
+            assert tier.read(header.key) == (header, payload)
+    finally:
+        tier.close()
+    tier = SsdTier(db_path, 400 * PAGE_BYTES)  # the moved locations are durable
+    try:
+        result = tier.scan()
+        assert result.dropped == 0 and {h.key for h in result.headers} == {h.key for h, _ in live}
+        for header, payload in live:
+            assert tier.read(header.key) == (header, payload)
+    finally:
+        tier.close()
+
+
+def test_a_read_racing_a_compaction_finds_the_moved_payload(db_path: Path) -> None:
+    tier = SsdTier(db_path, 400 * PAGE_BYTES)
+    n = tier._files._segment_bytes // make_scope().page_payload_bytes
+    pages = make_chain(2 * n + 1)
+    try:
+        for header, payload in pages[: 2 * n]:
+            tier.write(header, payload)
+        target, target_payload = pages[10]
+        for header, _ in pages[:n]:
+            if header is not target:
+                tier.delete(header.key)
+        real_read = tier._files.read
+        raced = []
+
+        def read_after_a_compaction(seg: int, offset: int, length: int) -> bytes:
+            if not raced:  # between the location lookup and the read, the page moves
+                raced.append(seg)
+                tier._files.read = real_read  # type: ignore[method-assign]
+                tier.write(*pages[2 * n])  # segment 1 (one page live) is compacted
+                assert f"{seg:08d}.seg" not in _segment_files(db_path)
+            return real_read(seg, offset, length)
+
+        tier._files.read = read_after_a_compaction  # type: ignore[method-assign]
+        assert tier.read(target.key) == (target, target_payload)
+        assert raced == [1]
+    finally:
+        tier.close()
+
+
+def test_location_beyond_its_segment_file_is_dropped_by_scan(db_path: Path) -> None:
+    pages = make_chain(3)
+    tier = SsdTier(db_path, 100 * PAGE_BYTES)
+    for header, payload in pages:
+        tier.write(header, payload)
+    tier.close()
+    segment = db_path / "segments" / "00000001.seg"
+    with open(segment, "r+b") as fh:  # a torn tail: the last payload is cut short
+        fh.truncate(segment.stat().st_size - 100)
+    tier = SsdTier(db_path, 100 * PAGE_BYTES)
+    try:
+        result = tier.scan()
+        assert result.dropped == 1
+        assert {h.key for h in result.headers} == {h.key for h, _ in pages[:2]}
+        for header, payload in pages[:2]:
+            assert tier.read(header.key) == (header, payload)
+        assert tier.read(pages[2][0].key) is None
+        tier.write(*pages[2])  # written again, into a new file
+        assert tier.read(pages[2][0].key) == pages[2]
+        assert _segment_files(db_path) == ["00000001.seg", "00000002.seg"]
+    finally:
+        tier.close()
+
+
+def test_segments_on_a_file_system_without_direct_io(tmp_path: Path) -> None:
+    """tmpfs refuses O_DIRECT: reads fall back to buffered ones."""
+    folder = Path("/dev/shm") / f"strata-test-{os.getpid()}-{tmp_path.name}"
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    try:
+        tier = SsdTier(folder, 100 * PAGE_BYTES)
+        try:
+            pages = make_chain(5)
+            for header, payload in pages:
+                tier.write(header, payload)
+            for header, payload in pages:
+                assert tier.read(header.key) == (header, payload)
+        finally:
+            tier.close()
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
