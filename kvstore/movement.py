@@ -180,34 +180,30 @@ class Tiers:
 
     # ---- promotion --------------------------------------------------------------------------
 
-    def promote_to_dram(self, entry: PageEntry, payload: bytes | memoryview | None) -> bool:
-        """Give a pinned GPU- or SSD-resident page a DRAM copy. Mutates.
-
-        `payload` is the verified SSD payload (read by the caller outside the lock) or None for
-        a GPU page. Returns False (and changes nothing) when DRAM has no room for it.
-        """
+    def copy_gpu_to_dram(self, entry: PageEntry) -> bool:
+        """Give a pinned GPU page a DRAM copy to serve it from. Mutates. The page stays in the
+        faster tier, so this is no promotion and its fastest tier (what watchers track) does not
+        change. Returns False (and changes nothing) when DRAM has no room for it."""
+        assert self.gpu is not None and entry.gpu is not None
         if entry.dram is not None:
             return True
         try:
             dst = self.allocate_dram(entry.payload_bytes)
         except CapacityExhausted:
             return False
-        view = self.dram.view(dst, entry.payload_bytes)
-        if payload is None:
-            # A DRAM copy of a GPU page, to serve it from: the page stays in the faster tier, so
-            # this is no promotion and its fastest tier (what watchers track) does not change.
-            assert self.gpu is not None and entry.gpu is not None
-            self.gpu.read_into(entry.gpu, entry.payload_bytes, view)
-            self.index.set_residency(entry.key, Tier.DRAM, dst)
-            return True
-        view[:] = payload
+        self.gpu.read_into(entry.gpu, entry.payload_bytes, self.dram.view(dst, entry.payload_bytes))
+        self.index.set_residency(entry.key, Tier.DRAM, dst)
+        return True
+
+    def adopt_promotion(self, entry: PageEntry, dst: int) -> None:
+        """Record the DRAM block `dst`, into which the caller read and verified the pinned SSD
+        page `entry`, as its DRAM copy (a promotion). Mutates."""
         self.index.set_residency(entry.key, Tier.DRAM, dst)
         with self.counters.lock:
             self.counters.promotions[(Tier.SSD, Tier.DRAM)] += 1
         self.events.publish(
             EventKind.MOVED, entry.key, entry.scope_digest, entry.payload_bytes, Tier.SSD, Tier.DRAM
         )
-        return True
 
     def move_to_gpu(self, entry: PageEntry) -> None:
         """Place a DRAM page in the GPU tier and release its DRAM copy. Mutates; may raise."""

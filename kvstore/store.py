@@ -10,6 +10,7 @@ result, never an error.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -23,6 +24,7 @@ from client.page import PageHeader, quick_check
 from client.scope import KEY_BYTES, Scope
 from kvstore.config import StoreConfig
 from kvstore.errors import (
+    CapacityExhausted,
     Corrupt,
     InvalidArgument,
     LeaseExpired,
@@ -84,7 +86,9 @@ class Acquisition:
     expires_unix_ms: int
 
 
-class PlannedPage(NamedTuple):  # per page, on the hot path: cheaper to build than a frozen dataclass
+class PlannedPage(
+    NamedTuple
+):  # per page, on the hot path: cheaper to build than a frozen dataclass
     """What the store needs of one validated page header to place it."""
 
     key: bytes
@@ -481,9 +485,16 @@ class Store:
                     return Acquisition(0, tuple(held), 0)
                 lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
                 return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
-        payloads: dict[int, bytes | None] = {}
+        # SSD pages are read straight into DRAM slots taken now (lock free while reading)
+        slots: dict[int, int] = {}
         if need_ssd:
-            payloads = self._read_ssd([keys[i] for i in need_ssd], need_ssd, io_class)
+            with self._lock:
+                for i in need_ssd:
+                    entry = index.get(keys[i])
+                    if entry is not None and entry.dram is None:
+                        with contextlib.suppress(CapacityExhausted):
+                            slots[i] = self.tiers.allocate_dram(entry.payload_bytes)
+        read_ok = self._read_ssd(keys, slots, io_class) if slots else {}
         with self._lock:
             for i in slow:
                 key = keys[i]
@@ -491,16 +502,25 @@ class Store:
                 if entry is None:
                     continue
                 source = entry.fastest
+                slot = slots.get(i)
+                copied = entry.dram is not None or entry.gpu is not None  # by another reader
+                if slot is not None and (copied or not read_ok.get(i)):
+                    self.tiers.dram.free(slot)
+                    slot = None
                 if entry.dram is None:
-                    payload = None
-                    if entry.gpu is None:
-                        payload = payloads.get(i)
-                        if payload is None:  # failed verification, or lost from the SSD
-                            self._unpin(key)
-                            pinned.remove(key)
-                            self._drop_if_unpinned(entry, corrupt=True)
-                            continue
-                    if not self.tiers.promote_to_dram(entry, payload):
+                    if entry.gpu is not None:  # a DRAM copy of a GPU page, to serve it from
+                        served = self.tiers.copy_gpu_to_dram(entry)
+                    elif slot is not None:
+                        self.tiers.adopt_promotion(entry, slot)
+                        served = True
+                    elif i in slots:  # failed verification, or lost from the SSD
+                        self._unpin(key)
+                        pinned.remove(key)
+                        self._drop_if_unpinned(entry, corrupt=True)
+                        continue
+                    else:
+                        served = False
+                    if not served:
                         self._unpin(key)
                         pinned.remove(key)
                         log.warning("no DRAM room to serve page %s; reported as a miss", key.hex())
@@ -516,24 +536,27 @@ class Store:
         return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
 
     def _read_ssd(
-        self, keys: list[bytes], idx: list[int], io_class: IoClass
-    ) -> dict[int, bytes | None]:
-        """Read and verify pinned SSD pages, lock free. None marks a corrupt page."""
+        self, keys: Sequence[bytes], slots: dict[int, int], io_class: IoClass
+    ) -> dict[int, bool]:
+        """Read pinned SSD pages `keys[i]` straight into their DRAM slots `slots[i]`, verified,
+        lock free. False marks a page that failed verification or is gone from the SSD."""
         ssd = self.tiers.ssd
-        out: dict[int, bytes | None] = {}
+        out: dict[int, bool] = {}
         if ssd is None:
             return out
+        dram = self.tiers.dram
         with self.scheduler.admit(io_class, 0):
-            for i, key in zip(idx, keys, strict=True):
+            for i, slot in slots.items():
+                key = keys[i]
                 try:
-                    found = ssd.read(key)
+                    header = ssd.read_into(key, dram.view(slot, dram.slot_bytes(slot)))
                 except Corrupt as exc:
                     log.warning("SSD page %s failed verification: %s", key.hex(), exc)
-                    out[i] = None
+                    out[i] = False
                     continue
-                if found is not None:
-                    out[i] = found[1]
-                    self.counters.add_bytes("ssd", "out", io_class, len(found[1]))
+                out[i] = header is not None
+                if header is not None:
+                    self.counters.add_bytes("ssd", "out", io_class, header.payload_bytes)
         return out
 
     def release(self, lease_id: int) -> bool:

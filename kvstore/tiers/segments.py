@@ -17,6 +17,7 @@ writers (the tier serializes them); `read` may run concurrently with everything.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -40,6 +41,11 @@ _ZEROS = bytes(ALIGN)
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _address(view: memoryview) -> int:
+    """The memory address of a writable buffer's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class SegmentFiles:
@@ -136,6 +142,24 @@ class SegmentFiles:
         return sum(self._size.values())
 
     # ---- reads (any thread) --------------------------------------------------------------------
+
+    def read_into(self, seg: int, offset: int, length: int, dest: memoryview) -> None:
+        """Read the payload at (seg, offset) of `length` bytes into `dest` (a writable byte view
+        of at least `length` bytes); straight from the disk when `dest` is page-aligned and can
+        take the whole aligned span, else through this thread's buffer. Raises as `read`."""
+        span = _aligned(max(length, 1))
+        if dest.nbytes < span or _address(dest) % mmap.PAGESIZE:
+            dest[:length] = self.read(seg, offset, length)
+            return
+        fd = self._open_for_read(seg)
+        try:
+            got = os.preadv(fd, [dest[:span]], offset)
+        except OSError as exc:
+            raise Unavailable(f"ssd tier: reading segment {seg}: {exc}") from exc
+        finally:
+            self._done_reading(seg, fd)
+        if got < length:
+            raise Corrupt(f"segment {seg} ends before the payload at {offset} (+{length})")
 
     def read(self, seg: int, offset: int, length: int) -> bytes:
         """The payload at (seg, offset) of `length` bytes. Raises Corrupt when the segment is

@@ -153,6 +153,41 @@ class SsdTier:
         missing, or RocksDB reports corruption: the page must not be used, and the caller drops
         it (`delete`) and counts it. Raises Unavailable on other RocksDB errors or after close.
         """
+        found = self._locate(key)
+        if found is None:
+            return None
+        header, _ = found
+        payload = bytearray(header.payload_bytes)
+        got = self.read_into(key, memoryview(payload))
+        if got is None:
+            return None
+        return got, bytes(payload)
+
+    def read_into(self, key: bytes, dest: memoryview) -> PageHeader | None:
+        """Read page `key`'s payload into `dest` (a writable byte view at least as long; a
+        page-aligned one that can also take the payload rounded up to 4 KiB is filled straight
+        from the disk) and return its verified header, or None when absent. Raises as `read`;
+        after a raise, `dest` holds unspecified bytes."""
+        for attempt in range(2):
+            found = self._locate(key)
+            if found is None:
+                return None
+            header, (seg, offset, length) = found
+            if dest.nbytes < length:
+                raise InvalidArgument(f"buffer of {dest.nbytes} bytes for a {length}-byte payload")
+            try:
+                self._files.read_into(seg, offset, length, dest)
+            except Corrupt:
+                moved = self._locate(key)
+                if attempt == 0 and moved is not None and moved[1] != (seg, offset, length):
+                    continue  # a compaction moved it meanwhile: read it where it is now
+                raise
+            header.verify_payload(dest[:length])
+            return header
+        raise Corrupt("page payload keeps moving")  # not reached: one move per compaction
+
+    def _locate(self, key: bytes) -> tuple[PageHeader, tuple[int, int, int]] | None:
+        """The stored header of `key` and its payload's location, or None when absent."""
         _check_key(key)
         h = self._require_open()
         if self._scanned and key not in self._sizes:
@@ -163,27 +198,15 @@ class SsdTier:
         header = PageHeader.decode(raw_header)
         if header.key != key:
             raise Corrupt("stored page header names another key")
-        for attempt in range(2):
-            where = self._get(h.payloads, key, "payload location read")
-            if where is None:
-                if self._get(h.headers, key, "header read") is None:
-                    return None  # deleted between the two reads
-                raise Corrupt("page payload is missing")
-            seg, offset, length = _location(where)
-            if length != header.payload_bytes:
-                raise Corrupt(
-                    f"payload location says {length} bytes, header {header.payload_bytes}"
-                )
-            try:
-                payload = self._files.read(seg, offset, length)
-            except Corrupt:
-                moved = self._get(h.payloads, key, "payload location read")
-                if attempt == 0 and moved is not None and moved != where:
-                    continue  # a compaction moved it meanwhile: read it where it is now
-                raise
-            header.verify_payload(payload)
-            return header, payload
-        raise Corrupt("page payload keeps moving")  # not reached: one move per compaction
+        where = self._get(h.payloads, key, "payload location read")
+        if where is None:
+            if self._get(h.headers, key, "header read") is None:
+                return None  # deleted between the two reads
+            raise Corrupt("page payload is missing")
+        seg, offset, length = _location(where)
+        if length != header.payload_bytes:
+            raise Corrupt(f"payload location says {length} bytes, header {header.payload_bytes}")
+        return header, (seg, offset, length)
 
     # ---- mutations -----------------------------------------------------------------------------
 
