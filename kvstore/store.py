@@ -548,8 +548,10 @@ class Store:
         with self.scheduler.admit(io_class, 0):
             for i, slot in slots.items():
                 key = keys[i]
+                entry = self.index.get(key)  # pinned: it stays
+                known = PageHeader.decode(entry.header) if entry is not None else None
                 try:
-                    header = ssd.read_into(key, dram.view(slot, dram.slot_bytes(slot)))
+                    header = ssd.read_into(key, dram.view(slot, dram.slot_bytes(slot)), known)
                 except Corrupt as exc:
                     log.warning("SSD page %s failed verification: %s", key.hex(), exc)
                     out[i] = False

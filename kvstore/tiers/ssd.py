@@ -163,13 +163,19 @@ class SsdTier:
             return None
         return got, bytes(payload)
 
-    def read_into(self, key: bytes, dest: memoryview) -> PageHeader | None:
+    def read_into(
+        self, key: bytes, dest: memoryview, known: PageHeader | None = None
+    ) -> PageHeader | None:
         """Read page `key`'s payload into `dest` (a writable byte view at least as long; a
         page-aligned one that can also take the payload rounded up to 4 KiB is filled straight
         from the disk) and return its verified header, or None when absent. Raises as `read`;
-        after a raise, `dest` holds unspecified bytes."""
+        after a raise, `dest` holds unspecified bytes.
+
+        `known`: the page's header as the caller holds it (the store's index does); then the
+        read touches no RocksDB block, only the payload: the location is kept in memory.
+        """
         for attempt in range(2):
-            found = self._locate(key)
+            found = self._locate(key, known)
             if found is None:
                 return None
             header, (seg, offset, length) = found
@@ -178,7 +184,7 @@ class SsdTier:
             try:
                 self._files.read_into(seg, offset, length, dest)
             except Corrupt:
-                moved = self._locate(key)
+                moved = self._locate(key, known)
                 if attempt == 0 and moved is not None and moved[1] != (seg, offset, length):
                     continue  # a compaction moved it meanwhile: read it where it is now
                 raise
@@ -186,12 +192,24 @@ class SsdTier:
             return header
         raise Corrupt("page payload keeps moving")  # not reached: one move per compaction
 
-    def _locate(self, key: bytes) -> tuple[PageHeader, tuple[int, int, int]] | None:
-        """The stored header of `key` and its payload's location, or None when absent."""
+    def _locate(
+        self, key: bytes, known: PageHeader | None = None
+    ) -> tuple[PageHeader, tuple[int, int, int]] | None:
+        """The stored header of `key` (or `known`) and its payload's location, or None when
+        absent. With `known` and the accounting built, no RocksDB read at all."""
         _check_key(key)
         h = self._require_open()
         if self._scanned and key not in self._sizes:
             return None
+        if known is not None and self._scanned:
+            if known.key != key:
+                raise InvalidArgument("the header given names another key")
+            where_now = self._where.get(key)  # a dict read: atomic, no lock needed
+            if where_now is None:
+                return None
+            if where_now[2] != known.payload_bytes:
+                raise Corrupt("payload location disagrees with the page's header")
+            return known, where_now
         raw_header = self._get(h.headers, key, "header read")
         if raw_header is None:
             return None
