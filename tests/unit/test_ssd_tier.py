@@ -413,3 +413,26 @@ def test_segments_on_a_file_system_without_direct_io(tmp_path: Path) -> None:
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_read_into_with_the_known_header_reads_only_the_payload(tier: SsdTier) -> None:
+    (header, payload), (other, other_payload) = make_chain(2)
+    tier.write(header, payload)
+    tier.write(other, other_payload)
+    headers_family = tier._require_open().headers
+    del headers_family[header.key]  # white box: the stored header is not consulted
+    import mmap
+
+    dest = mmap.mmap(-1, 1 << 20)  # page-aligned: filled straight from the disk
+    try:
+        assert tier.read_into(header.key, memoryview(dest), header) == header
+        assert dest[: len(payload)] == payload
+        with pytest.raises(InvalidArgument):
+            tier.read_into(header.key, memoryview(dest), other)  # another page's header
+        small = bytearray(len(other_payload))  # unaligned: read through a bounce buffer
+        assert tier.read_into(other.key, memoryview(small), other) == other
+        assert bytes(small) == other_payload
+        tier.delete(other.key)
+        assert tier.read_into(other.key, memoryview(small), other) is None
+    finally:
+        dest.close()
