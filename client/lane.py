@@ -65,6 +65,28 @@ class _Done:
         return None
 
 
+class LaneCall:
+    """A lane call in flight on a connection of its own; `result()` waits for the reply."""
+
+    def __init__(self, lane: Lane, sock: socket.socket, reply_type: type[Message]) -> None:
+        self._lane = lane
+        self._sock: socket.socket | None = sock
+        self._reply_type = reply_type
+
+    def result(self) -> Message:
+        """The reply; raises LaneError (then, and after `cancel`, the connection is gone)."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            raise LaneError(grpc.StatusCode.CANCELLED, "lane call already finished or cancelled")
+        return self._reply_type.FromString(self._lane.finish(sock))
+
+    def cancel(self) -> None:
+        """Give up on the reply (the connection is closed, not reused)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
 class _LaneMethod:
     def __init__(self, lane: Lane, name: str) -> None:
         self._lane = lane
@@ -74,6 +96,13 @@ class _LaneMethod:
     def __call__(self, request: Message, timeout: float | None = None) -> Message:
         body = self._lane.call(self._id, request.SerializeToString(), timeout, one_way=False)
         return self._reply_type.FromString(body)
+
+    def start(self, request: Message, timeout: float | None = None) -> LaneCall:
+        """Send the request and return at once; the reply is read by `LaneCall.result()`.
+        Calls started together run on separate connections, so the daemon serves them while
+        the caller does other work."""
+        sock = self._lane.send(self._id, request.SerializeToString(), timeout)
+        return LaneCall(self._lane, sock, self._reply_type)
 
     def future(self, request: Message, timeout: float | None = None) -> _Done:
         """Send without waiting for any reply (the lane's one-way frame)."""
@@ -118,12 +147,31 @@ class Lane:
 
     def call(self, method: int, payload: bytes, timeout: float | None, *, one_way: bool) -> bytes:
         """One request (and, unless one-way, its response). Raises LaneError."""
+        sock = self.send(method, payload, timeout, one_way=one_way)
+        if one_way:
+            self._give_back(sock)
+            return b""
+        return self.finish(sock)
+
+    def send(
+        self, method: int, payload: bytes, timeout: float | None, *, one_way: bool = False
+    ) -> socket.socket:
+        """Send a request on a connection of its own; `finish` reads its reply. LaneError."""
         sock = self._take(timeout)
         try:
             sock.sendall(REQUEST.pack(len(payload), method, ONE_WAY if one_way else 0, 0) + payload)
-            if one_way:
-                self._give_back(sock)
-                return b""
+        except TimeoutError:
+            sock.close()
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call timed out") from None
+        except OSError as exc:
+            sock.close()
+            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane: {exc}") from None
+        return sock
+
+    def finish(self, sock: socket.socket) -> bytes:
+        """The reply to the request just sent on `sock` (which goes back to the pool). Raises
+        LaneError."""
+        try:
             length, status, retry_ms = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
             body = bytes(recv_exact(sock, length)) if length else b""
         except TimeoutError:

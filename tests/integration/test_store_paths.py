@@ -44,7 +44,9 @@ from client import (
     StoreClient,
     Tier,
 )
+from client.errors import CapacityExhausted
 from kvstore_pb import store_pb2 as pb
+from loadtests.daemon import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -523,3 +525,45 @@ def test_same_host_put_is_counted_in_its_io_class(
     moved = dict(daemon.store.counters.bytes_moved)
     assert moved.get(("grpc", "in", IoClass.BACKGROUND)) == 2 * PAGE_BYTES  # the gRPC path does
     assert moved.get(("shm", "in", IoClass.BACKGROUND)) == 2 * PAGE_BYTES
+
+
+def test_a_large_same_host_put_goes_in_two_halves(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
+    """Puts of 16 pages or more are pipelined (both reservations at once, each half committed as
+    soon as it is copied): every page stored and intact, no lease left behind."""
+    d = daemon_factory(dram="8MiB", ssd=None)
+    shm = d.client(shared_memory=True)
+    pages = chain(scope, 40, seed=61)
+    assert shm.put(scope, pages[:25]).stored == 25
+    assert [s.name for s in shm.put(scope, pages).statuses] == (
+        ["ALREADY_PRESENT"] * 25 + ["STORED"] * 15
+    )
+    assert_intact(shm, scope, pages)
+    # (the reads' releases are one-way: they may land just after)
+    assert wait_for(lambda: d.store.stats().active_leases == 0, timeout_s=10)
+    d.check()
+
+
+def test_a_pipelined_put_that_runs_out_of_room_leaves_no_lease(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
+    d = daemon_factory(dram="1MiB", ssd=None)  # 64 pages of 16 KiB
+    shm, rpc = d.client(shared_memory=True), d.client(shared_memory=False)
+    held = singles(scope, 44, seed=62)
+    assert shm.put(scope, held).stored == 44
+    stub = d.stub()
+    lease = stub.Acquire(  # pinned: nothing can leave DRAM to make room
+        pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys_of(held))), timeout=10
+    )
+    assert lease.lease_id
+    more = chain(scope, 32, seed=63)  # halves of 16: the first fits (20 free), the second not
+    with pytest.raises(CapacityExhausted):
+        shm.put(scope, more)
+    assert stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=10).released
+    assert wait_for(lambda: d.store.stats().active_leases == 0, timeout_s=10)
+    d.check()
+    stored = [p for p in more if rpc.lookup(scope, [p.header.key]).hit_count]
+    assert stored in ([], more[:16])  # the first half's commit may have gone through
+    assert_intact(rpc, scope, held + stored)
+    assert shm.put(scope, more[:16]).stored == 16 - len(stored)  # and the store serves on
