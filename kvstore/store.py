@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -164,6 +165,7 @@ class Store:
         self._pending_keys: set[bytes] = set()
         self._doomed: set[bytes] = set()
         self._scopes: OrderedDict[bytes, Scope] = OrderedDict()
+        self._ssd_pool: ThreadPoolExecutor | None = None
         self.rebuilt_pages = self._rebuild()
         self.mover = Mover(
             self._lock, self.tiers, self.scheduler, config.dram, self.reap_leases, self._unpin
@@ -203,6 +205,9 @@ class Store:
         """Stop the mover, flush the SSD tier, unmap and unlink the DRAM segment."""
         self.mover.stop()
         self.events.close()
+        pool, self._ssd_pool = self._ssd_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         with self._lock:
             if self.tiers.ssd is not None:
                 self.tiers.ssd.flush()
@@ -539,27 +544,59 @@ class Store:
         self, keys: Sequence[bytes], slots: dict[int, int], io_class: IoClass
     ) -> dict[int, bool]:
         """Read pinned SSD pages `keys[i]` straight into their DRAM slots `slots[i]`, verified,
-        lock free. False marks a page that failed verification or is gone from the SSD."""
+        lock free. False marks a page that failed verification or is gone from the SSD.
+
+        Reads run one ahead on a reader thread while this one verifies the page before: the
+        read releases the GIL, so the checksum of one page overlaps the disk read of the next.
+        """
         ssd = self.tiers.ssd
         out: dict[int, bool] = {}
         if ssd is None:
             return out
         dram = self.tiers.dram
+
+        def fetch(i: int) -> tuple[PageHeader | None, memoryview] | Corrupt:
+            key, slot = keys[i], slots[i]
+            entry = self.index.get(key)  # pinned: it stays
+            known = PageHeader.decode(entry.header) if entry is not None else None
+            view = dram.view(slot, dram.slot_bytes(slot))
+            try:
+                return ssd.read_into(key, view, known, verify=False), view
+            except Corrupt as exc:
+                return exc
+
+        order = list(slots)
         with self.scheduler.admit(io_class, 0):
-            for i, slot in slots.items():
-                key = keys[i]
-                entry = self.index.get(key)  # pinned: it stays
-                known = PageHeader.decode(entry.header) if entry is not None else None
-                try:
-                    header = ssd.read_into(key, dram.view(slot, dram.slot_bytes(slot)), known)
-                except Corrupt as exc:
-                    log.warning("SSD page %s failed verification: %s", key.hex(), exc)
+            ahead = self._ssd_reader().submit(fetch, order[0])
+            for n, i in enumerate(order):
+                got = ahead.result()
+                if n + 1 < len(order):
+                    ahead = self._ssd_reader().submit(fetch, order[n + 1])
+                if not isinstance(got, Corrupt):
+                    header, view = got
+                    try:
+                        if header is not None:
+                            header.verify_payload(view[: header.payload_bytes])
+                    except Corrupt as exc:
+                        got = exc
+                if isinstance(got, Corrupt):
+                    log.warning("SSD page %s failed verification: %s", keys[i].hex(), got)
                     out[i] = False
                     continue
-                out[i] = header is not None
-                if header is not None:
-                    self.counters.add_bytes("ssd", "out", io_class, header.payload_bytes)
+                out[i] = got[0] is not None
+                if got[0] is not None:
+                    self.counters.add_bytes("ssd", "out", io_class, got[0].payload_bytes)
         return out
+
+    def _ssd_reader(self) -> ThreadPoolExecutor:
+        """The thread that reads SSD pages ahead of their verification (made on first use)."""
+        pool = self._ssd_pool
+        if pool is None:
+            with self._lock:
+                if self._ssd_pool is None:
+                    self._ssd_pool = ThreadPoolExecutor(1, thread_name_prefix="strata-ssd-read")
+                pool = self._ssd_pool
+        return pool
 
     def release(self, lease_id: int) -> bool:
         """End a lease (read: unpin; reservation: abort). Mutates. False if unknown/expired."""

@@ -164,7 +164,7 @@ class SsdTier:
         return got, bytes(payload)
 
     def read_into(
-        self, key: bytes, dest: memoryview, known: PageHeader | None = None
+        self, key: bytes, dest: memoryview, known: PageHeader | None = None, *, verify: bool = True
     ) -> PageHeader | None:
         """Read page `key`'s payload into `dest` (a writable byte view at least as long; a
         page-aligned one that can also take the payload rounded up to 4 KiB is filled straight
@@ -173,6 +173,8 @@ class SsdTier:
 
         `known`: the page's header as the caller holds it (the store's index does); then the
         read touches no RocksDB block, only the payload: the location is kept in memory.
+        `verify=False` leaves the payload checksum to the caller (`header.verify_payload`),
+        which must check it before using the bytes.
         """
         for attempt in range(2):
             found = self._locate(key, known)
@@ -188,7 +190,8 @@ class SsdTier:
                 if attempt == 0 and moved is not None and moved[1] != (seg, offset, length):
                     continue  # a compaction moved it meanwhile: read it where it is now
                 raise
-            header.verify_payload(dest[:length])
+            if verify:
+                header.verify_payload(dest[:length])
             return header
         raise Corrupt("page payload keeps moving")  # not reached: one move per compaction
 
