@@ -3,10 +3,10 @@
 RocksDB keeps each page's header and the location of its payload (kvstore/tiers/ssd.py); the
 payload bytes live here, in files `<folder>/<id>.seg` of up to `segment_bytes`, each payload at a
 4 KiB-aligned offset. A read is one `preadv` of the aligned span with O_DIRECT (the page cache
-is bypassed, as for a KV page read once and promoted to DRAM), which releases the GIL and runs
-at the disk's speed: measured here, 1.4-2.2 GB/s against 0.44 GB/s for the same 1 MiB values
-read through RocksDB's blob files. Where the file system refuses O_DIRECT (tmpfs), reads are
-buffered.
+is bypassed, as for a KV page read once and promoted to DRAM) into a per-thread buffer, then a
+copy to where the caller wants it; the read releases the GIL and runs at the disk's speed:
+measured here, 1.4-2.2 GB/s against 0.44 GB/s for the same 1 MiB values read through RocksDB's
+blob files. Where the file system refuses O_DIRECT (tmpfs), reads are buffered.
 
 Space: `release` takes a payload's bytes off its segment's live count; a sealed segment with
 nothing live is deleted, and the tier rewrites the live pages of one that is less than half live
@@ -17,7 +17,6 @@ writers (the tier serializes them); `read` may run concurrently with everything.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import mmap
@@ -41,11 +40,6 @@ _ZEROS = bytes(ALIGN)
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _address(view: memoryview) -> int:
-    """The memory address of a writable buffer's first byte."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class SegmentFiles:
@@ -145,26 +139,12 @@ class SegmentFiles:
 
     def read_into(self, seg: int, offset: int, length: int, dest: memoryview) -> None:
         """Read the payload at (seg, offset) of `length` bytes into `dest` (a writable byte view
-        of at least `length` bytes); straight from the disk when `dest` is page-aligned and can
-        take the whole aligned span, else through this thread's buffer. Raises as `read`."""
-        span = _aligned(max(length, 1))
-        if dest.nbytes < span or _address(dest) % mmap.PAGESIZE:
-            dest[:length] = self.read(seg, offset, length)
-            return
-        fd = self._open_for_read(seg)
-        try:
-            got = os.preadv(fd, [dest[:span]], offset)
-        except OSError as exc:
-            raise Unavailable(f"ssd tier: reading segment {seg}: {exc}") from exc
-        finally:
-            self._done_reading(seg, fd)
-        if got < length:
-            raise Corrupt(f"segment {seg} ends before the payload at {offset} (+{length})")
+        of at least `length` bytes). Raises as `read`.
 
-    def read(self, seg: int, offset: int, length: int) -> bytes:
-        """The payload at (seg, offset) of `length` bytes. Raises Corrupt when the segment is
-        missing (deleted, or moved by a compaction since the caller looked it up) or too short,
-        Unavailable on other I/O errors."""
+        The disk reads into this thread's buffer, then the bytes are copied to `dest`: direct
+        I/O into the same few pages again and again measured 1.6 GB/s with the copy, against
+        1.2 GB/s straight into a different DRAM slot each time (every direct read pins its
+        destination pages first)."""
         span = _aligned(max(length, 1))
         buf = self._buffer(span)
         fd = self._open_for_read(seg)
@@ -176,7 +156,15 @@ class SegmentFiles:
             self._done_reading(seg, fd)
         if got < length:
             raise Corrupt(f"segment {seg} ends before the payload at {offset} (+{length})")
-        return bytes(memoryview(buf)[:length])
+        dest[:length] = memoryview(buf)[:length]
+
+    def read(self, seg: int, offset: int, length: int) -> bytes:
+        """The payload at (seg, offset) of `length` bytes. Raises Corrupt when the segment is
+        missing (deleted, or moved by a compaction since the caller looked it up) or too short,
+        Unavailable on other I/O errors."""
+        out = bytearray(length)
+        self.read_into(seg, offset, length, memoryview(out))
+        return bytes(out)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 

@@ -166,10 +166,9 @@ class SsdTier:
     def read_into(
         self, key: bytes, dest: memoryview, known: PageHeader | None = None, *, verify: bool = True
     ) -> PageHeader | None:
-        """Read page `key`'s payload into `dest` (a writable byte view at least as long; a
-        page-aligned one that can also take the payload rounded up to 4 KiB is filled straight
-        from the disk) and return its verified header, or None when absent. Raises as `read`;
-        after a raise, `dest` holds unspecified bytes.
+        """Read page `key`'s payload into `dest` (a writable byte view at least as long) and
+        return its verified header, or None when absent. Raises as `read`; after a raise, `dest`
+        holds unspecified bytes.
 
         `known`: the page's header as the caller holds it (the store's index does); then the
         read touches no RocksDB block, only the payload: the location is kept in memory.

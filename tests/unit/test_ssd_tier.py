@@ -352,18 +352,18 @@ def test_a_read_racing_a_compaction_finds_the_moved_payload(db_path: Path) -> No
         for header, _ in pages[:n]:
             if header is not target:
                 tier.delete(header.key)
-        real_read = tier._files.read
+        real_read = tier._files.read_into
         raced = []
 
-        def read_after_a_compaction(seg: int, offset: int, length: int) -> bytes:
+        def read_after_a_compaction(seg: int, offset: int, length: int, dest: memoryview) -> None:
             if not raced:  # between the location lookup and the read, the page moves
                 raced.append(seg)
-                tier._files.read = real_read  # type: ignore[method-assign]
+                tier._files.read_into = real_read  # type: ignore[method-assign]
                 tier.write(*pages[2 * n])  # segment 1 (one page live) is compacted
                 assert f"{seg:08d}.seg" not in _segment_files(db_path)
-            return real_read(seg, offset, length)
+            real_read(seg, offset, length, dest)
 
-        tier._files.read = read_after_a_compaction  # type: ignore[method-assign]
+        tier._files.read_into = read_after_a_compaction  # type: ignore[method-assign]
         assert tier.read(target.key) == (target, target_payload)
         assert raced == [1]
     finally:
@@ -423,13 +423,13 @@ def test_read_into_with_the_known_header_reads_only_the_payload(tier: SsdTier) -
     del headers_family[header.key]  # white box: the stored header is not consulted
     import mmap
 
-    dest = mmap.mmap(-1, 1 << 20)  # page-aligned: filled straight from the disk
+    dest = mmap.mmap(-1, 1 << 20)
     try:
         assert tier.read_into(header.key, memoryview(dest), header) == header
         assert dest[: len(payload)] == payload
         with pytest.raises(InvalidArgument):
             tier.read_into(header.key, memoryview(dest), other)  # another page's header
-        small = bytearray(len(other_payload))  # unaligned: read through a bounce buffer
+        small = bytearray(len(other_payload))
         assert tier.read_into(other.key, memoryview(small), other) == other
         assert bytes(small) == other_payload
         tier.delete(other.key)
