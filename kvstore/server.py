@@ -37,6 +37,7 @@ from kvstore.metrics import (
 )
 from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store
+from kvstore.tiers.dram import ephemeral_segment_name, reclaim_ephemeral_segments
 from kvstore.ucx_server import BulkServer
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,10 @@ class Daemon:
 
     def __init__(self, config: StoreConfig) -> None:
         if config.server.port == 0 and not config.dram.segment_name:
-            # an ephemeral port gets an ephemeral, unique segment (parallel tests, benchmarks)
-            unique = f"strata-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            # an ephemeral port gets an ephemeral, unique segment (parallel tests, benchmarks);
+            # those of daemons that died without removing theirs go first
+            reclaim_ephemeral_segments()
+            unique = ephemeral_segment_name()
             config = dataclasses.replace(
                 config, dram=dataclasses.replace(config.dram, segment_name=unique)
             )

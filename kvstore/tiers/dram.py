@@ -18,12 +18,20 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import re
+import uuid
 from pathlib import Path
 
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.tiers.slots import SlotSpace
 
-__all__ = ["SHM_DIR", "DramTier", "segment_path"]
+__all__ = [
+    "SHM_DIR",
+    "DramTier",
+    "ephemeral_segment_name",
+    "reclaim_ephemeral_segments",
+    "segment_path",
+]
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -37,6 +45,50 @@ def segment_path(segment_name: str) -> Path:
     if not segment_name or "/" in segment_name or segment_name in (".", ".."):
         raise InvalidArgument(f"bad shared-memory segment name {segment_name!r}")
     return SHM_DIR / segment_name
+
+
+_EPHEMERAL = re.compile(r"^strata-(\d+)-[0-9a-f]{8}$")
+
+
+def ephemeral_segment_name() -> str:
+    """A segment name of its own for a daemon on an ephemeral port: `strata-<pid>-<random>`."""
+    return f"strata-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def reclaim_ephemeral_segments(folder: Path = SHM_DIR) -> int:
+    """Unlink the ephemeral segments (see `ephemeral_segment_name`) of this user whose daemon
+    process is gone: a daemon killed, or a test run that crashed, leaves its segment behind, and
+    tmpfs keeps its memory until someone removes it. Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        m = _EPHEMERAL.match(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = folder / name
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed += 1
+    if removed:
+        log.info("dram tier: removed %d segments left by daemons that are gone", removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 class DramTier(SlotSpace):

@@ -167,3 +167,24 @@ def test_errors(tier: DramTier) -> None:
     with pytest.raises(InvalidArgument):
         DramTier(CAPACITY, "a/b")
     assert tier.used_bytes == 0
+
+
+def test_segments_of_daemons_that_are_gone_are_reclaimed(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from kvstore.tiers.dram import ephemeral_segment_name, reclaim_ephemeral_segments
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    names = {
+        f"strata-{gone.pid}-0123abcd": False,  # its process is gone: removed
+        ephemeral_segment_name(): True,  # this process: kept
+        "strata-7700": True,  # a named segment (a daemon on a fixed port): never touched
+        f"strata-{gone.pid}-not-hex!": True,
+        "other": True,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert reclaim_ephemeral_segments(tmp_path) == 1
+    assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
