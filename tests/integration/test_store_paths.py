@@ -545,25 +545,30 @@ def test_a_large_same_host_put_goes_in_two_halves(
     d.check()
 
 
-def test_a_pipelined_put_that_runs_out_of_room_leaves_no_lease(
-    daemon_factory: DaemonFactory, scope: Scope
+def test_a_pipelined_put_whose_second_half_fails_leaves_no_lease(
+    daemon_factory: DaemonFactory, scope: Scope, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    d = daemon_factory(dram="1MiB", ssd=None)  # 64 pages of 16 KiB
+    d = daemon_factory(dram="8MiB", ssd=None)
     shm, rpc = d.client(shared_memory=True), d.client(shared_memory=False)
-    held = singles(scope, 44, seed=62)
-    assert shm.put(scope, held).stored == 44
-    stub = d.stub()
-    lease = stub.Acquire(  # pinned: nothing can leave DRAM to make room
-        pb.AcquireRequest(scope_digest=scope.digest, keys=b"".join(keys_of(held))), timeout=10
-    )
-    assert lease.lease_id
-    more = chain(scope, 32, seed=63)  # halves of 16: the first fits (20 free), the second not
+    real_reserve = d.store.reserve
+    calls: list[int] = []
+
+    def second_fails(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:  # whichever half the daemon serves second
+            raise CapacityExhausted("no room (injected)", retry_after_s=0.5)
+        return real_reserve(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(d.store, "reserve", second_fails)
+    pages = chain(scope, 32, seed=63)  # halves of 16, both asked for at once
     with pytest.raises(CapacityExhausted):
-        shm.put(scope, more)
-    assert stub.Release(pb.ReleaseRequest(lease_id=lease.lease_id), timeout=10).released
+        shm.put(scope, pages)
+    assert len(calls) == 2
     assert wait_for(lambda: d.store.stats().active_leases == 0, timeout_s=10)
     d.check()
-    stored = [p for p in more if rpc.lookup(scope, [p.header.key]).hit_count]
-    assert stored in ([], more[:16])  # the first half's commit may have gone through
-    assert_intact(rpc, scope, held + stored)
-    assert shm.put(scope, more[:16]).stored == 16 - len(stored)  # and the store serves on
+    stored = [p for p in pages if rpc.lookup(scope, [p.header.key]).hit_count]
+    assert stored in ([], pages[:16], pages[16:])  # the other half may have been committed
+    assert_intact(rpc, scope, stored)
+    monkeypatch.setattr(d.store, "reserve", real_reserve)
+    assert shm.put(scope, pages).stored == 32 - len(stored)  # and the store serves on
+    assert_intact(shm, scope, pages)
