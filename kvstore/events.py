@@ -55,10 +55,7 @@ class EventLog:
         to_tier: Tier | None = None,
     ) -> None:
         """Append an event and wake watchers. Mutates the ring; never blocks on readers."""
-        with self._cond:
-            self._seq += 1
-            self._ring.append((self._seq, kind, key, scope_digest, from_tier, to_tier, size_bytes))
-            self._cond.notify_all()
+        self.publish_many([(kind, key, scope_digest, size_bytes, from_tier, to_tier)])
 
     def publish_many(
         self, items: list[tuple[EventKind, bytes, bytes, int, Tier | None, Tier | None]]

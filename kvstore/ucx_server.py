@@ -159,9 +159,7 @@ class BulkServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        if self._tcp_accepting is not None:
-            self._tcp_accepting.cancel()
-            self._tcp_accepting = None
+        self._tcp_accepting = None  # cancelled above
         if self._tcp_socket is not None:
             self._tcp_socket.close()
             self._tcp_socket = None

@@ -158,13 +158,13 @@ class SegmentFiles:
             raise Corrupt(f"segment {seg} ends before the payload at {offset} (+{length})")
         dest[:length] = memoryview(buf)[:length]
 
-    def read(self, seg: int, offset: int, length: int) -> bytes:
+    def read(self, seg: int, offset: int, length: int) -> bytearray:
         """The payload at (seg, offset) of `length` bytes. Raises Corrupt when the segment is
         missing (deleted, or moved by a compaction since the caller looked it up) or too short,
         Unavailable on other I/O errors."""
         out = bytearray(length)
         self.read_into(seg, offset, length, memoryview(out))
-        return bytes(out)
+        return out
 
     # ---- lifecycle -----------------------------------------------------------------------------
 

@@ -158,7 +158,7 @@ class SsdTier:
             return None
         header, _ = found
         payload = bytearray(header.payload_bytes)
-        got = self.read_into(key, memoryview(payload))
+        got = self.read_into(key, memoryview(payload), header)  # located: not looked up again
         if got is None:
             return None
         return got, bytes(payload)
