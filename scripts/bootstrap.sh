@@ -47,7 +47,7 @@ pip=("$VENV/bin/python" -m pip install -q)
 # torch first, pinned: a CPU build that lies on this machine's disk. Unpinned, the engine extra
 # would pull a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0" || die "pip could not install torch==2.13.0"
-"${pip[@]}" -e "$ROOT[dev,engine,loadtest,gpu,ucx]" || die "pip could not install Strata ($ROOT)"
+"${pip[@]}" -e "$ROOT[dev,engine,loadtest,router,gpu,ucx]" || die "pip could not install Strata ($ROOT)"
 
 echo "$want" >"$STAMP.tmp"
 mv "$STAMP.tmp" "$STAMP"
