@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from client.async_client import AsyncStoreClient
 from client.cluster_client import ClusterClient, ClusterStats, NodeStats
+from client.etcd import EtcdClient, EtcdUnavailable
 from client.errors import (
     CapacityExhausted,
     Corrupt,
@@ -16,6 +17,7 @@ from client.errors import (
     StrataError,
     Unavailable,
 )
+from client.hostid import host_id
 from client.page import PageHeader, decode_page, encode_page, make_header
 from client.scope import KEY_BYTES, KVLayout, Scope, Shard, chain_key, page_keys
 from client.store_client import StoreClient
@@ -47,6 +49,8 @@ __all__ = [
     "ClusterStats",
     "Corrupt",
     "DeadlineExceeded",
+    "EtcdClient",
+    "EtcdUnavailable",
     "Event",
     "EventKind",
     "GetResult",
@@ -77,6 +81,7 @@ __all__ = [
     "chain_key",
     "decode_page",
     "encode_page",
+    "host_id",
     "make_header",
     "page_keys",
 ]

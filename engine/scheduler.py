@@ -64,6 +64,18 @@ class SchedulerOptions:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerLoad:
+    """How loaded a scheduler is at one moment (`BatchScheduler.load`)."""
+
+    queued_prefill_tokens: int  # tokens of waiting requests, and those running requests lack
+    queued_requests: int  # accepted, not yet in the batch
+    running_requests: int
+    running_context_tokens: int
+    free_pages: int
+    total_pages: int
+
+
 @dataclass(eq=False)
 class _Sequence:
     """The scheduler's state of one request (owned by the scheduler thread once admitted)."""
@@ -132,6 +144,24 @@ class BatchScheduler:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no request is in flight; False on timeout."""
         return self._in_flight.wait_idle(timeout_s)
+
+    def load(self) -> SchedulerLoad:
+        """A snapshot of the queue and the batch, for the router's load reports (any thread)."""
+        with self._cond:
+            waiting = list(self._waiting)
+            starting = list(self._fetched)
+            fetching = self._fetching
+        active = list(self._active)  # mutated only by the scheduler thread: copy, then read
+        running = [*active, *starting]
+        return SchedulerLoad(
+            queued_prefill_tokens=sum(len(s.tokens) for s in waiting)
+            + sum(max(0, len(s.tokens) - 1 - s.computed) for s in running),
+            queued_requests=len(waiting) + fetching,
+            running_requests=len(running),
+            running_context_tokens=sum(len(s.tokens) for s in running),
+            free_pages=self.pool.num_free,
+            total_pages=self.pool.num_pages,
+        )
 
     # ---- the caller's side -----------------------------------------------------------------
 

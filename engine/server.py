@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from client import StoreClient, StrataError
+from client import ClusterClient, StoreClient, StrataError, host_id
 from engine.colocated import ColocatedWorker
 from engine.decode import DecodeWorker
 from engine.errors import EngineBusy, EngineStopping, InvalidRequest
 from engine.prefill import PrefillWorker
 from engine.runtime import ModelRuntime
 from engine.store_link import PageStore
+from engine.store_spec import parse_store
 from engine.wire import (
     decode_request_from_proto,
     prefill_response,
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_SERVICE = "strata.engine.v1.Prefill"
 DECODE_SERVICE = "strata.engine.v1.Decode"
+WORKER_SERVICE = "strata.engine.v1.Worker"
 
 Worker = PrefillWorker | DecodeWorker | ColocatedWorker
 
@@ -60,13 +63,43 @@ def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+class PrefillLoad:
+    """The prompt tokens of the prefills a worker has accepted and not answered (thread-safe):
+    the prefill worker's queue, as the router's load reports give it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.tokens = 0
+        self.requests = 0
+        self.served = 0
+
+    def enter(self, tokens: int) -> None:
+        with self._lock:
+            self.tokens += tokens
+            self.requests += 1
+
+    def exit(self, tokens: int) -> None:
+        with self._lock:
+            self.tokens -= tokens
+            self.requests -= 1
+            self.served += 1
+
+    def snapshot(self) -> tuple[int, int, int]:
+        """(queued tokens, requests in flight, requests answered)."""
+        with self._lock:
+            return self.tokens, self.requests, self.served
+
+
 class PrefillServicer(engine_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillWorker, load: PrefillLoad | None = None) -> None:
         self.worker = worker
+        self.load = load or PrefillLoad()
 
     def Prefill(
         self, request: pb.PrefillRequest, context: grpc.ServicerContext
     ) -> pb.PrefillResponse:
+        tokens = len(request.token_ids) or len(request.prompt_text) // 4 + 1
+        self.load.enter(tokens)
         try:
             result = self.worker.prefill(
                 list(request.token_ids),
@@ -78,6 +111,8 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         except Exception as exc:
             _abort(context, exc)
             raise  # unreachable: abort raises
+        finally:
+            self.load.exit(tokens)
         return prefill_response(result, with_prompt_ids=bool(request.prompt_text))
 
 
@@ -101,8 +136,94 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             _abort(context, exc)
 
 
+class WorkerServicer(engine_pb2_grpc.WorkerServicer):
+    """`Describe` (what the worker is: role, scope, page size, host) and `Load` (how loaded it
+    is now), for the router's registry."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        worker: Worker,
+        prefill_load: PrefillLoad,
+        accepting: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.worker = worker
+        self.prefill_load = prefill_load
+        self.accepting = accepting
+
+    def Describe(
+        self, request: pb.DescribeRequest, context: grpc.ServicerContext
+    ) -> pb.WorkerDescription:
+        return describe(self.config, self.worker, include_tokenizer=request.include_tokenizer)
+
+    def Load(self, request: pb.LoadRequest, context: grpc.ServicerContext) -> pb.LoadReport:
+        worker = self.worker
+        if isinstance(worker, PrefillWorker):
+            tokens, requests, served = self.prefill_load.snapshot()
+            return pb.LoadReport(
+                queued_prefill_tokens=max(0, tokens),
+                queued_requests=max(0, requests - 1),
+                running_requests=min(1, max(0, requests)),
+                free_pages=worker.pool.num_free,
+                accepting=self.accepting(),
+                served_requests=served,
+            )
+        load = worker.load()
+        return pb.LoadReport(
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            queued_requests=load.queued_requests,
+            running_requests=load.running_requests,
+            running_context_tokens=load.running_context_tokens,
+            free_pages=load.free_pages,
+            accepting=self.accepting(),
+        )
+
+
+def describe(
+    config: WorkerConfig, worker: Worker, *, include_tokenizer: bool
+) -> pb.WorkerDescription:
+    """The worker's `WorkerDescription`: the fields of its scope (namespace "") and its limits."""
+    runtime = worker.runtime
+    scope = runtime.scope()
+    layout, shard = scope.layout, scope.shard
+    pool = worker.pool
+    msg = pb.WorkerDescription(
+        role=config.role,
+        model_id=scope.model_id,
+        weights_revision=scope.weights_revision,
+        tokenizer_fingerprint=scope.tokenizer_fingerprint,
+        kv_dtype=scope.kv_dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        page_tokens=layout.page_tokens,
+        adapter_id=scope.adapter_id,
+        adapter_fingerprint=scope.adapter_fingerprint,
+        tp_rank=shard.tp_rank,
+        tp_size=shard.tp_size,
+        pp_stage=shard.pp_stage,
+        pp_size=shard.pp_size,
+        host_id=host_id(),
+        max_batch=1 if config.role == "prefill" else config.max_batch,
+        max_context=runtime.max_context,
+        page_payload_bytes=scope.page_payload_bytes,
+        total_pages=pool.num_pages,
+        vocab_size=runtime.vocab_size,
+        store=config.store,
+        eos_token_ids=list(runtime.eos_ids),
+    )
+    if include_tokenizer:
+        folder = Path(runtime.checkpoint.path)
+        msg.tokenizer_json = (folder / "tokenizer.json").read_bytes()
+        cfg = folder / "tokenizer_config.json"
+        if cfg.exists():
+            msg.tokenizer_config_json = cfg.read_bytes()
+    return msg
+
+
 def create_server(
-    config: WorkerConfig, worker: Worker
+    config: WorkerConfig, worker: Worker, accepting: Callable[[], bool] = lambda: True
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Build and bind (not start) the gRPC server of `worker` on config.host:bind_port (port 0:
     any free port). Returns (server, bound port, health servicer). Raises OSError when the
@@ -118,10 +239,14 @@ def create_server(
         raise OSError(f"cannot listen on {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot listen on {address} (in use?)")
+    prefill_load = PrefillLoad()
     if isinstance(worker, PrefillWorker):
-        engine_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+        engine_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, prefill_load), server)
     else:
         engine_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker), server)
+    engine_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(config, worker, prefill_load, accepting), server
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, port, health_servicer
@@ -172,9 +297,11 @@ class EngineServer:
             max_context=config.max_context or None,
             device=config.device,
         )
-        self._own_store: StoreClient | None = None
+        self._own_store: StoreClient | ClusterClient | None = None
         if store is None and config.store:
-            self._own_store = StoreClient(config.store, timeout_s=config.store_timeout_s, retries=1)
+            spec = parse_store(config.store)
+            assert spec is not None
+            self._own_store = spec.open(timeout_s=config.store_timeout_s)
             store = self._own_store
         self.store = store
         self.worker = build_worker(config, self.runtime, store)
@@ -190,7 +317,7 @@ class EngineServer:
 
     def start(self) -> str:
         """Bind, start serving, report SERVING; returns "host:port". Raises OSError."""
-        if self._own_store is not None:
+        if isinstance(self._own_store, StoreClient):
             try:
                 node = self._own_store.connect()
                 log.info(
@@ -205,11 +332,13 @@ class EngineServer:
                     self.config.store,
                     exc,
                 )
-        server, port, health_servicer = create_server(self.config, self.worker)
+        server, port, health_servicer = create_server(
+            self.config, self.worker, lambda: self._accepting
+        )
         server.start()
         self.server, self.port, self._health = server, port, health_servicer
         service = PREFILL_SERVICE if self.config.role == "prefill" else DECODE_SERVICE
-        for name in ("", service):
+        for name in ("", service, WORKER_SERVICE):
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._accepting = True
         log.info("%s worker listening at %s", self.config.role, self.address)

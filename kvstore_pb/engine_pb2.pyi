@@ -381,3 +381,196 @@ class TokenEvent(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__token_id) -> _WhichOneofReturnType__token_id | None: ...
 
 Global___TokenEvent: _TypeAlias = TokenEvent  # noqa: Y015
+
+@_typing.final
+class DescribeRequest(_message.Message):
+    """---- worker: what a worker is, and how loaded it is -----------------------------------------
+
+    Every worker serves `Worker` next to its role's service. A router calls `Describe` once per
+    connection (the scope fields let it compute the same page keys the worker does) and then
+    polls the unary `Load` every ~150 ms. A unary poll rather than a server stream: each poll is
+    also the liveness probe, with its own deadline, so the age of the last answer bounds how long
+    a silent worker goes unnoticed; no long-lived stream per router replica needs reconnecting
+    after a network blip, and one small call per worker per poll costs nothing measurable.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCLUDE_TOKENIZER_FIELD_NUMBER: _builtins.int
+    include_tokenizer: _builtins.bool
+    """also send tokenizer.json and tokenizer_config.json"""
+    def __init__(
+        self,
+        *,
+        include_tokenizer: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_tokenizer", b"include_tokenizer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
+
+@_typing.final
+class WorkerDescription(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    MODEL_ID_FIELD_NUMBER: _builtins.int
+    WEIGHTS_REVISION_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    KV_DTYPE_FIELD_NUMBER: _builtins.int
+    NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_DIM_FIELD_NUMBER: _builtins.int
+    PAGE_TOKENS_FIELD_NUMBER: _builtins.int
+    ADAPTER_ID_FIELD_NUMBER: _builtins.int
+    ADAPTER_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    TP_SIZE_FIELD_NUMBER: _builtins.int
+    PP_STAGE_FIELD_NUMBER: _builtins.int
+    PP_SIZE_FIELD_NUMBER: _builtins.int
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
+    MAX_CONTEXT_FIELD_NUMBER: _builtins.int
+    PAGE_PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
+    TOTAL_PAGES_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    TOKENIZER_JSON_FIELD_NUMBER: _builtins.int
+    TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """"prefill", "decode" or "colocated" """
+    model_id: _builtins.str
+    """the scope's model id: the name clients ask for"""
+    weights_revision: _builtins.str
+    """scope fields (client.Scope), namespace "" """
+    tokenizer_fingerprint: _builtins.str
+    kv_dtype: _builtins.str
+    num_layers: _builtins.int
+    """KV layout"""
+    num_kv_heads: _builtins.int
+    head_dim: _builtins.int
+    page_tokens: _builtins.int
+    adapter_id: _builtins.str
+    adapter_fingerprint: _builtins.str
+    tp_rank: _builtins.int
+    """shard"""
+    tp_size: _builtins.int
+    pp_stage: _builtins.int
+    pp_size: _builtins.int
+    host_id: _builtins.str
+    """client.hostid: same value = same host"""
+    max_batch: _builtins.int
+    """decode, colocated: requests decoded together"""
+    max_context: _builtins.int
+    """prompt + output tokens at most"""
+    page_payload_bytes: _builtins.int
+    total_pages: _builtins.int
+    """the KV pool's size (decode, colocated)"""
+    vocab_size: _builtins.int
+    store: _builtins.str
+    """the store it uses, as configured ("" = none)"""
+    tokenizer_json: _builtins.bytes
+    """when include_tokenizer"""
+    tokenizer_config_json: _builtins.bytes
+    """when include_tokenizer ("" when the checkpoint has none)"""
+    @_builtins.property
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        model_id: _builtins.str = ...,
+        weights_revision: _builtins.str = ...,
+        tokenizer_fingerprint: _builtins.str = ...,
+        kv_dtype: _builtins.str = ...,
+        num_layers: _builtins.int = ...,
+        num_kv_heads: _builtins.int = ...,
+        head_dim: _builtins.int = ...,
+        page_tokens: _builtins.int = ...,
+        adapter_id: _builtins.str = ...,
+        adapter_fingerprint: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+        tp_size: _builtins.int = ...,
+        pp_stage: _builtins.int = ...,
+        pp_size: _builtins.int = ...,
+        host_id: _builtins.str = ...,
+        max_batch: _builtins.int = ...,
+        max_context: _builtins.int = ...,
+        page_payload_bytes: _builtins.int = ...,
+        total_pages: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
+        store: _builtins.str = ...,
+        tokenizer_json: _builtins.bytes = ...,
+        tokenizer_config_json: _builtins.bytes = ...,
+        eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_fingerprint", b"adapter_fingerprint", "adapter_id", b"adapter_id", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "host_id", b"host_id", "kv_dtype", b"kv_dtype", "max_batch", b"max_batch", "max_context", b"max_context", "model_id", b"model_id", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_payload_bytes", b"page_payload_bytes", "page_tokens", b"page_tokens", "pp_size", b"pp_size", "pp_stage", b"pp_stage", "role", b"role", "store", b"store", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_fingerprint", b"tokenizer_fingerprint", "tokenizer_json", b"tokenizer_json", "total_pages", b"total_pages", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "vocab_size", b"vocab_size", "weights_revision", b"weights_revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerDescription: _TypeAlias = WorkerDescription  # noqa: Y015
+
+@_typing.final
+class LoadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadRequest: _TypeAlias = LoadRequest  # noqa: Y015
+
+@_typing.final
+class LoadReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
+    QUEUED_REQUESTS_FIELD_NUMBER: _builtins.int
+    RUNNING_REQUESTS_FIELD_NUMBER: _builtins.int
+    RUNNING_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
+    FREE_PAGES_FIELD_NUMBER: _builtins.int
+    ACCEPTING_FIELD_NUMBER: _builtins.int
+    SERVED_REQUESTS_FIELD_NUMBER: _builtins.int
+    queued_prefill_tokens: _builtins.int
+    """prompt tokens accepted and not yet computed"""
+    queued_requests: _builtins.int
+    """accepted, not yet running"""
+    running_requests: _builtins.int
+    """in the decode batch (prefill: the one computing)"""
+    running_context_tokens: _builtins.int
+    """the running batch's total context"""
+    free_pages: _builtins.int
+    """KV pool pages free"""
+    accepting: _builtins.bool
+    """false once the worker is draining"""
+    served_requests: _builtins.int
+    """finished since start (a counter)"""
+    def __init__(
+        self,
+        *,
+        queued_prefill_tokens: _builtins.int = ...,
+        queued_requests: _builtins.int = ...,
+        running_requests: _builtins.int = ...,
+        running_context_tokens: _builtins.int = ...,
+        free_pages: _builtins.int = ...,
+        accepting: _builtins.bool = ...,
+        served_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "free_pages", b"free_pages", "queued_prefill_tokens", b"queued_prefill_tokens", "queued_requests", b"queued_requests", "running_context_tokens", b"running_context_tokens", "running_requests", b"running_requests", "served_requests", b"served_requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015

@@ -167,3 +167,118 @@ class Decode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Describe = channel.unary_unary(
+                '/strata.engine.v1.Worker/Describe',
+                request_serializer=kvstore__pb_dot_engine__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=kvstore__pb_dot_engine__pb2.WorkerDescription.FromString,
+                _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/strata.engine.v1.Worker/Load',
+                request_serializer=kvstore__pb_dot_engine__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kvstore__pb_dot_engine__pb2.LoadReport.FromString,
+                _registered_method=True)
+
+
+class WorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=kvstore__pb_dot_engine__pb2.DescribeRequest.FromString,
+                    response_serializer=kvstore__pb_dot_engine__pb2.WorkerDescription.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvstore__pb_dot_engine__pb2.LoadRequest.FromString,
+                    response_serializer=kvstore__pb_dot_engine__pb2.LoadReport.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'strata.engine.v1.Worker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('strata.engine.v1.Worker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Worker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.engine.v1.Worker/Describe',
+            kvstore__pb_dot_engine__pb2.DescribeRequest.SerializeToString,
+            kvstore__pb_dot_engine__pb2.WorkerDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.engine.v1.Worker/Load',
+            kvstore__pb_dot_engine__pb2.LoadRequest.SerializeToString,
+            kvstore__pb_dot_engine__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

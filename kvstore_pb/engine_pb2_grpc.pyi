@@ -81,3 +81,34 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_engine_pb2.TokenEvent], _abc.AsyncIterator[_engine_pb2.TokenEvent]]: ...
 
 def add_DecodeServicer_to_server(servicer: DecodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class WorkerStub:
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> WorkerAsyncStub: ...
+    Describe: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DescribeRequest, _engine_pb2.WorkerDescription]
+    Load: _grpc.UnaryUnaryMultiCallable[_engine_pb2.LoadRequest, _engine_pb2.LoadReport]
+
+@_typing.type_check_only
+class WorkerAsyncStub(WorkerStub):
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Describe: _aio.UnaryUnaryMultiCallable[_engine_pb2.DescribeRequest, _engine_pb2.WorkerDescription]  # type: ignore[assignment]
+    Load: _aio.UnaryUnaryMultiCallable[_engine_pb2.LoadRequest, _engine_pb2.LoadReport]  # type: ignore[assignment]
+
+class WorkerServicer(metaclass=_abc_1.ABCMeta):
+    @_abc_1.abstractmethod
+    def Describe(
+        self,
+        request: _engine_pb2.DescribeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.WorkerDescription, _abc.Awaitable[_engine_pb2.WorkerDescription]]: ...
+
+    @_abc_1.abstractmethod
+    def Load(
+        self,
+        request: _engine_pb2.LoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.LoadReport, _abc.Awaitable[_engine_pb2.LoadReport]]: ...
+
+def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
