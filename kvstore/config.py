@@ -105,6 +105,14 @@ class SsdConfig:
     write_mode: str = "write-back"
     # fsync every write batch (slower; survives power loss, not just a process crash).
     sync_writes: bool = False
+    # Fault injection (tests, chaos runs, the slow-disk measurement; never in production):
+    # the probability that a payload read / write fails with an I/O error, and a delay before
+    # every payload read / write. See kvstore/tiers/faults.py.
+    fault_read_error_rate: float = 0.0
+    fault_write_error_rate: float = 0.0
+    fault_read_delay_ms: int = 0
+    fault_write_delay_ms: int = 0
+    fault_seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +207,11 @@ class StoreConfig:
             )
         if self.limits.max_message_bytes < self.limits.chunk_bytes + (1 << 16):
             raise InvalidArgument("limits.max_message_bytes must exceed limits.chunk_bytes + 64KiB")
+        for rate in (self.ssd.fault_read_error_rate, self.ssd.fault_write_error_rate):
+            if not 0.0 <= rate <= 1.0:
+                raise InvalidArgument("ssd.fault_*_error_rate must be in [0, 1]")
+        if self.ssd.fault_read_delay_ms < 0 or self.ssd.fault_write_delay_ms < 0:
+            raise InvalidArgument("ssd.fault_*_delay_ms must not be negative")
         if self.io.concurrency <= 0:
             raise InvalidArgument("io.concurrency must be positive")
         if self.cluster.enabled:

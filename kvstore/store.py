@@ -41,6 +41,7 @@ from kvstore.mover import Mover
 from kvstore.policy import WriteMode, make_admission
 from kvstore.scheduler import IoScheduler
 from kvstore.tiers.dram import DramTier
+from kvstore.tiers.faults import faults_from_config
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -143,6 +144,7 @@ class Store:
                     config.ssd_path,
                     config.ssd.capacity_bytes,
                     sync_writes=config.ssd.sync_writes,
+                    faults=faults_from_config(config.ssd),
                 )
             if config.gpu.enabled:
                 gpu = GpuTier(config.gpu.capacity_bytes, config.gpu.device)

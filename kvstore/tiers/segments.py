@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 
 from kvstore.errors import Corrupt, InvalidArgument, Unavailable
+from kvstore.tiers.faults import NO_FAULTS, SsdFaults
 
 __all__ = ["LOCATION", "SegmentFiles"]
 
@@ -61,6 +62,7 @@ class SegmentFiles:
         self._closing: dict[int, int] = {}  # removed segments' descriptors still being read
         self._fd_lock = threading.Lock()
         self._buffers = threading.local()
+        self.faults: SsdFaults = NO_FAULTS  # injected faults (kvstore/tiers/faults.py)
         self._current = -1
         self._write_fd = -1
         self._unsynced = False
@@ -80,6 +82,7 @@ class SegmentFiles:
             self._roll()
         seg, offset = self._current, self._size[self._current]
         pad = span - n
+        self.faults.before_write(f"segment {seg}")
         try:
             os.pwritev(self._write_fd, [payload, _ZEROS[:pad]] if pad else [payload], offset)
         except OSError as exc:
@@ -149,6 +152,7 @@ class SegmentFiles:
         buf = self._buffer(span)
         fd = self._open_for_read(seg)
         try:
+            self.faults.before_read(f"segment {seg}")
             got = os.preadv(fd, [memoryview(buf)[:span]], offset)
         except OSError as exc:
             raise Unavailable(f"ssd tier: reading segment {seg}: {exc}") from exc

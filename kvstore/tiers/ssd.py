@@ -28,6 +28,7 @@ from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 from client.page import PageHeader
 from kvstore.errors import CapacityExhausted, Corrupt, InvalidArgument, Unavailable
 from kvstore.keys import KEY_BYTES
+from kvstore.tiers.faults import NO_FAULTS, SsdFaults
 from kvstore.tiers.rocks import (
     RocksHandles,
     has_headers,
@@ -89,6 +90,7 @@ class SsdTier:
         capacity_bytes: int,
         *,
         sync_writes: bool = False,
+        faults: SsdFaults = NO_FAULTS,
     ) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgument(f"ssd capacity must be positive, got {capacity_bytes}")
@@ -106,6 +108,9 @@ class SsdTier:
         self._handles: RocksHandles | None = open_rocks(self._path)
         segment_bytes = max(min(SEGMENT_BYTES, capacity_bytes // 4), 1 << 20)
         self._files = SegmentFiles(self._path / "segments", segment_bytes)
+        self._files.faults = faults
+        if faults.active:
+            log.warning("ssd tier: injecting faults: %s", faults)
         self._compacting = False
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync_writes
@@ -130,6 +135,16 @@ class SsdTier:
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    @property
+    def faults(self) -> SsdFaults:
+        """The faults injected into payload reads and writes (kvstore/tiers/faults.py); tests
+        may assign new ones at any time."""
+        return self._files.faults
+
+    @faults.setter
+    def faults(self, faults: SsdFaults) -> None:
+        self._files.faults = faults
 
     @property
     def used_bytes(self) -> int:
