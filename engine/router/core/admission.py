@@ -1,0 +1,236 @@
+"""Admission: serve a placed request now, or refuse it at once with a retry hint.
+
+A request is refused (never queued at the router) when
+
+- its predicted TTFT breaks its class's target (`ttft_slo`), retry after the predicted queue
+  drain that would bring it back under the target;
+- its predicted TPOT breaks the class's target (`tpot_slo`), retry after the predicted time for
+  enough of the decode batch to finish. In the default "predicted" mode TPOT is the decode
+  worker's batch at the moment the prefill finishes (departures and the ledger's joins counted,
+  see estimate.py), so admission does not swing with the momentary batch; "current" takes the
+  batch as reported now and exists as the baseline to compare against;
+- its class is past its share of the prefill capacity while another class that is within its
+  share (or of higher priority) is active (`class_share`).
+
+Shares: each class is guaranteed `share / sum(shares)` of the prefill pool's capacity (one second
+of prefill work per second per prefill worker), measured as its admitted work over the last
+`share_window_s` (an exponentially decaying sum). A class within its share is judged only on its
+SLO. A class past its share may borrow idle capacity, but must leave headroom for every other
+class that has asked for service within the window and is within its own share (or has a higher
+priority): it is admitted only while its predicted TTFT stays under `ttft_s * (1 - share
+fraction)` of each such class. So a flood of one class keeps the queues short enough for the
+others to meet their targets, and with nobody else active the flood may use everything: below
+capacity nothing is refused.
+
+Mutates only its own bookkeeping (`on_dispatch`, `on_first_token`, `on_finish`); no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.router.core.errors import UnknownSloClass
+from engine.router.core.estimate import estimate_tpot
+from engine.router.core.slo import AdmissionConfig, SloClass
+from engine.router.core.timemodel import TimeModel
+from engine.router.core.types import (
+    Placement,
+    Refusal,
+    RefusalReason,
+    RequestView,
+    WorkerView,
+)
+
+MIN_RETRY_S = 0.05  # the smallest retry hint: a refusal always says "later", never "now"
+
+
+@dataclass(slots=True)
+class _Rate:
+    """An exponentially decaying sum of admitted work (seconds) with its last update time."""
+
+    value: float = 0.0
+    at_s: float = 0.0
+
+    def decayed(self, now: float, window_s: float) -> float:
+        if now <= self.at_s:
+            return self.value
+        return self.value * math.exp(-(now - self.at_s) / window_s)
+
+    def add(self, work_s: float, now: float, window_s: float) -> None:
+        self.value = self.decayed(now, window_s) + work_s
+        self.at_s = max(now, self.at_s)
+
+
+class Admission:
+    def __init__(
+        self, config: AdmissionConfig | None = None, *, model: TimeModel | None = None
+    ) -> None:
+        """`model` is needed for mode "current" (it re-prices TPOT) and for TPOT retry hints."""
+        self.config = config if config is not None else AdmissionConfig()
+        self.model = model
+        self._rates: dict[str, _Rate] = {c.name: _Rate() for c in self.config.classes}
+        self._last_asked: dict[str, float] = {}
+        self._inflight: dict[str, str] = {}  # request id -> class name
+        self.admitted: dict[str, int] = {c.name: 0 for c in self.config.classes}
+        self.refused: dict[tuple[str, RefusalReason], int] = {}
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    def resolve(self, name: str) -> SloClass:
+        """The class a request named ("" = the default); raises UnknownSloClass."""
+        slo = self.config.by_name(name or self.config.default_class)
+        if slo is None:
+            raise UnknownSloClass(name, tuple(c.name for c in self.config.classes))
+        return slo
+
+    def work_rate(self, name: str, now: float) -> float:
+        """The class's admitted prefill work per second over the share window."""
+        rate = self._rates.get(name)
+        window = self.config.share_window_s
+        return rate.decayed(now, window) / window if rate is not None else 0.0
+
+    def admit(
+        self,
+        request: RequestView,
+        placement: Placement,
+        workers: Sequence[WorkerView],
+        now: float,
+        *,
+        model: TimeModel | None = None,
+    ) -> Placement | Refusal:
+        """`placement` if the request may run now, else a Refusal (see module doc). Records that
+        the class asked (for the share rule) and counts refusals; admission counts on dispatch."""
+        slo = self.resolve(request.slo_class)
+        self._last_asked[slo.name] = now
+        limit, protected = self._ttft_limit(slo, placement, workers, now)
+        ttft = placement.predicted_ttft_s
+        if ttft > limit:
+            if ttft > slo.ttft_s:
+                reason = RefusalReason.ttft_slo
+                detail = f"predicted TTFT {ttft:.3f}s > {slo.name} target {slo.ttft_s:.3f}s"
+            else:
+                reason = RefusalReason.class_share
+                detail = (
+                    f"class {slo.name} is past its share; predicted TTFT {ttft:.3f}s would eat "
+                    f"the headroom of {protected} (limit {limit:.3f}s)"
+                )
+            return self._refuse(slo, reason, max(ttft - limit, MIN_RETRY_S), detail, placement)
+        tpot = self._tpot(request, placement, workers, now, model or self.model)
+        if tpot > slo.tpot_s:
+            retry = self._tpot_retry(request, placement, workers, now, slo, model or self.model)
+            detail = (
+                f"predicted TPOT {tpot * 1e3:.1f}ms > {slo.name} target {slo.tpot_s * 1e3:.1f}ms "
+                f"({self.mode} decode load)"
+            )
+            return self._refuse(slo, RefusalReason.tpot_slo, retry, detail, placement)
+        return placement
+
+    def on_dispatch(self, request: RequestView, placement: Placement, now: float) -> None:
+        """The request was admitted and sent: its prefill work counts toward its class's share."""
+        slo = self.resolve(request.slo_class)
+        self._rates[slo.name].add(placement.prefill_work_s, now, self.config.share_window_s)
+        self._inflight[request.request_id] = slo.name
+        self.admitted[slo.name] += 1
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        """The prefill finished. (Shares count admitted work, so nothing changes yet.)"""
+
+    def on_finish(self, request_id: str, now: float) -> None:
+        """The request ended (done, failed or cancelled)."""
+        self._inflight.pop(request_id, None)
+
+    def inflight(self, name: str) -> int:
+        return sum(1 for c in self._inflight.values() if c == name)
+
+    def _ttft_limit(
+        self, slo: SloClass, placement: Placement, workers: Sequence[WorkerView], now: float
+    ) -> tuple[float, str]:
+        """The TTFT this request must stay under, and the class whose headroom set it ("")."""
+        window = self.config.share_window_s
+        capacity = max(sum(1 for w in workers if w.healthy and w.does_prefill), 1)
+        rate = self.work_rate(slo.name, now) + placement.prefill_work_s / window
+        if rate <= self.config.share_fraction(slo.name) * capacity:
+            return slo.ttft_s, ""
+        limit, who = slo.ttft_s, ""
+        for other in self.config.classes:
+            if other.name == slo.name or math.isinf(other.ttft_s):
+                continue
+            asked = self._last_asked.get(other.name)
+            if asked is None or now - asked > window:
+                continue
+            fraction = self.config.share_fraction(other.name)
+            within = self.work_rate(other.name, now) <= fraction * capacity
+            if within or other.priority > slo.priority:
+                headroom = other.ttft_s * (1.0 - fraction)
+                if headroom < limit:
+                    limit, who = headroom, other.name
+        return limit, who
+
+    def _decode_view(
+        self, placement: Placement, workers: Sequence[WorkerView]
+    ) -> WorkerView | None:
+        for w in workers:
+            if w.worker_id == placement.decode_id:
+                return w
+        return None
+
+    def _tpot(
+        self,
+        request: RequestView,
+        placement: Placement,
+        workers: Sequence[WorkerView],
+        now: float,
+        model: TimeModel | None,
+    ) -> float:
+        if self.mode == "predicted":
+            return placement.predicted_tpot_s
+        view = self._decode_view(placement, workers)
+        if model is None or view is None:
+            raise ValueError("current-load admission needs the time model and the decode view")
+        return estimate_tpot(request, view, model, now, now, mode="current")
+
+    def _tpot_retry(
+        self,
+        request: RequestView,
+        placement: Placement,
+        workers: Sequence[WorkerView],
+        now: float,
+        slo: SloClass,
+        model: TimeModel | None,
+    ) -> float:
+        """Predicted time until the decode batch is small enough for the class's TPOT target."""
+        view = self._decode_view(placement, workers)
+        if model is None or view is None or view.running_requests == 0:
+            return max(placement.predicted_ttft_s, MIN_RETRY_S)
+        batch = view.running_requests + len(view.pending_joins)
+        per_request = (view.running_context_tokens // max(view.running_requests, 1)) or 1
+        step = model.decode_step_s(max(view.running_requests, 1), view.running_context_tokens)
+        fits = 0
+        for size in range(batch, -1, -1):
+            cost = model.decode_step_s(size + 1, (size + 1) * per_request)
+            if cost <= slo.tpot_s:
+                fits = size
+                break
+        excess = max(batch - fits, 1)
+        remaining = sorted(view.running_remaining_tokens)
+        if len(remaining) >= excess:
+            wait = remaining[excess - 1] * step
+        else:
+            wait = excess / max(batch, 1) * request.max_tokens * step
+        return max(wait, MIN_RETRY_S)
+
+    def _refuse(
+        self,
+        slo: SloClass,
+        reason: RefusalReason,
+        retry_after_s: float,
+        detail: str,
+        placement: Placement,
+    ) -> Refusal:
+        key = (slo.name, reason)
+        self.refused[key] = self.refused.get(key, 0) + 1
+        return Refusal(reason, retry_after_s, detail, slo.name, placement)

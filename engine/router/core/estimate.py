@@ -1,0 +1,140 @@
+"""Predicting one request's TTFT on a prefill worker and its TPOT on a decode worker.
+
+Every policy prices its pick with these functions (so admission can judge any policy's placement),
+and the `strata` policy prices every candidate with them.
+
+- TTFT on prefill worker P = the drain of P's queue (its queued prefill tokens, ledger dispatches
+  included, through the time model) + pulling the hit pages, each from its tier and store node as
+  seen from P's host (same host or remote) + computing the missed tokens after the pulled ones. If
+  pulling is slower than recomputing from scratch (a remote SSD hit, say), P recomputes: the
+  estimate takes the cheaper of the two.
+- TPOT on decode worker D, for a request joining at `join_at_s`: one decode step of the batch D
+  will run then. "predicted" counts the running requests that will still be there (when the worker
+  reports how many tokens each may still produce) plus the dispatches that will have joined;
+  "current" is the baseline that takes the batch as reported now, plus this request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.router.core.timemodel import TimeModel
+from engine.router.core.types import RequestView, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixGroups:
+    """A request's usable hit pages grouped by (tier, store node host): the pull plan's shape."""
+
+    pages: int  # hit pages the prefill may use (it always computes at least the last token)
+    groups: tuple[tuple[str, str, int], ...]  # (tier, node host, pages)
+
+
+def prefix_groups(request: RequestView) -> PrefixGroups:
+    """Group the hit pages the request can use; at least one prompt token is always computed."""
+    usable = min(request.prefix.hit_pages, (request.prompt_tokens - 1) // request.page_tokens)
+    counts: dict[tuple[str, str], int] = {}
+    for tier, host in zip(
+        request.prefix.tiers[:usable], request.prefix.node_hosts[:usable], strict=True
+    ):
+        counts[(tier, host)] = counts.get((tier, host), 0) + 1
+    return PrefixGroups(usable, tuple((t, h, n) for (t, h), n in counts.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEstimate:
+    queue_s: float
+    pull_s: float
+    compute_s: float
+    hit_tokens_used: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.pull_s + self.compute_s
+
+    @property
+    def work_s(self) -> float:
+        """What this request adds to the worker's queue (pull + compute)."""
+        return self.pull_s + self.compute_s
+
+
+def queue_s(worker: WorkerView, model: TimeModel) -> float:
+    """Seconds until `worker` would start a new prefill (its queue, drained through the model)."""
+    return model.queue_drain_s(worker.queued_prefill_tokens, worker.queued_requests)
+
+
+def estimate_prefill(
+    request: RequestView,
+    worker: WorkerView,
+    model: TimeModel,
+    groups: PrefixGroups | None = None,
+) -> PrefillEstimate:
+    """The predicted TTFT of `request` on prefill worker `worker`, split into its parts."""
+    plan = groups if groups is not None else prefix_groups(request)
+    waiting = queue_s(worker, model)
+    recompute = model.prefill_s(request.prompt_tokens, 0)
+    if plan.pages == 0:
+        return PrefillEstimate(waiting, 0.0, recompute, 0)
+    pull = 0.0
+    for tier, host, pages in plan.groups:
+        pull += model.pull_s(pages * request.page_bytes, tier, host == worker.host_id)
+    hit_tokens = plan.pages * request.page_tokens
+    compute = model.prefill_s(request.prompt_tokens - hit_tokens, hit_tokens)
+    if pull + compute < recompute:
+        return PrefillEstimate(waiting, pull, compute, hit_tokens)
+    return PrefillEstimate(waiting, 0.0, recompute, 0)
+
+
+def batch_at(worker: WorkerView, model: TimeModel, now: float, at_s: float) -> tuple[int, int]:
+    """(requests, context tokens) `worker` is predicted to be decoding at time `at_s`.
+
+    Running requests whose reported remaining tokens run out before `at_s` have left; ledger
+    dispatches that join at or before `at_s` (and have not finished by then) have joined.
+    """
+    running = worker.running_requests
+    context = worker.running_context_tokens
+    step = model.decode_step_s(max(running, 1), context)
+    if worker.running_remaining_tokens and running > 0 and step > 0:
+        elapsed = at_s - (now - worker.report_age_s)
+        staying = sum(1 for r in worker.running_remaining_tokens if r * step > elapsed)
+        staying = min(staying, running)
+        context = context * staying // running
+        running = staying
+    for join in worker.pending_joins:
+        if join.join_at_s <= at_s and join.join_at_s + join.max_tokens * step > at_s:
+            running += 1
+            context += join.context_tokens
+    return running, context
+
+
+def estimate_tpot(
+    request: RequestView,
+    worker: WorkerView,
+    model: TimeModel,
+    now: float,
+    join_at_s: float,
+    mode: str = "predicted",
+) -> float:
+    """Predicted seconds per output token of `request` on decode worker `worker`.
+
+    The request's own context is its prompt plus half its generation (its mean over its life).
+    A batch past `max_batch` time-shares the worker: the step stretches in proportion.
+    """
+    if mode == "predicted":
+        running, context = batch_at(worker, model, now, join_at_s)
+    elif mode == "current":
+        running, context = worker.running_requests, worker.running_context_tokens
+    else:
+        raise ValueError(f"unknown load mode {mode!r} (predicted, current)")
+    batch = running + 1
+    context += request.prompt_tokens + request.max_tokens // 2
+    cap = max(worker.max_batch, 1)
+    if batch <= cap:
+        return model.decode_step_s(batch, context)
+    return model.decode_step_s(cap, context * cap // batch) * batch / cap
+
+
+def eligible(workers: Sequence[WorkerView], request: RequestView) -> list[WorkerView]:
+    """Healthy workers serving the request's model ("" = any)."""
+    return [w for w in workers if w.healthy and (not request.model or w.model == request.model)]

@@ -1,0 +1,141 @@
+"""The dispatch ledger: the router's own dispatches, counted as load the moment they are decided.
+
+Workers report their load every so often, so a burst decided between two reports would all land
+on the worker that looked idle in the last one. The ledger remembers each dispatch and adds to
+each worker's view what its report cannot show yet:
+
+- on the prefill worker, a dispatch whose prefill has not finished and that was decided after the
+  report was taken (`now - report_age_s`): its tokens to compute join the queue;
+- on the decode worker, a dispatch that joins (or joined) the batch after the report was taken: a
+  `PendingJoin` at its predicted join time (the end of its predicted TTFT), or at the real one
+  once `on_prefill_done` says so.
+
+A report newer than a dispatch includes it, so the ledger stops adding it by itself: nothing has
+to agree between router replicas, and a lost release only costs until the next report. Entries
+are removed by `release` (finished, failed, cancelled) or, as a bound, `max_age_s` after their
+join. Mutates only itself; never reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from engine.router.core.types import PendingJoin, Placement, RequestView, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    prefill_tokens: int  # tokens the prefill computes (prompt minus the pulled prefix)
+    context_tokens: int  # the prompt: the context the request brings to the decode batch
+    max_tokens: int
+    dispatched_at_s: float
+    join_at_s: float  # predicted until the prefill is done, then the real time
+    prefill_done: bool = False
+
+
+class DispatchLedger:
+    def __init__(self, *, max_age_s: float = 600.0, visibility_delay_s: float = 0.0) -> None:
+        """`visibility_delay_s`: how long after a dispatch a report can first include it (the
+        hop to the worker); `max_age_s`: how long after its join an unreleased entry is kept."""
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
+        if visibility_delay_s < 0:
+            raise ValueError(f"visibility_delay_s must be >= 0, got {visibility_delay_s}")
+        self.max_age_s = max_age_s
+        self.visibility_delay_s = visibility_delay_s
+        self._entries: dict[str, Reservation] = {}
+        self._by_worker: dict[str, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._entries.get(request_id)
+
+    def reserve(self, request: RequestView, placement: Placement, now: float) -> Reservation:
+        """Count `request` on its placement's workers from `now` (replaces an earlier entry of
+        the same id, as a retry elsewhere does)."""
+        self.release(request.request_id)
+        entry = Reservation(
+            request_id=request.request_id,
+            prefill_id=placement.prefill_id,
+            decode_id=placement.decode_id,
+            prefill_tokens=max(request.prompt_tokens - placement.hit_tokens_used, 1),
+            context_tokens=request.prompt_tokens,
+            max_tokens=request.max_tokens,
+            dispatched_at_s=now,
+            join_at_s=now + placement.predicted_ttft_s,
+        )
+        self._entries[entry.request_id] = entry
+        for worker in {entry.prefill_id, entry.decode_id}:
+            self._by_worker.setdefault(worker, set()).add(entry.request_id)
+        return entry
+
+    def on_prefill_done(self, request_id: str, now: float) -> None:
+        """The prefill finished (first token): it left the prefill queue and joins decode now."""
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            self._entries[request_id] = replace(entry, prefill_done=True, join_at_s=now)
+
+    def release(self, request_id: str) -> None:
+        """Forget a dispatch (finished, failed, cancelled, or moved); unknown ids are ignored."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return
+        for worker in {entry.prefill_id, entry.decode_id}:
+            ids = self._by_worker.get(worker)
+            if ids is not None:
+                ids.discard(request_id)
+                if not ids:
+                    del self._by_worker[worker]
+
+    def expire(self, now: float) -> int:
+        """Drop entries `max_age_s` past their join; returns how many went."""
+        old = [e.request_id for e in self._entries.values() if now - e.join_at_s > self.max_age_s]
+        for request_id in old:
+            self.release(request_id)
+        return len(old)
+
+    def apply(self, workers: Sequence[WorkerView], now: float) -> tuple[WorkerView, ...]:
+        """The views with the dispatches their reports do not show yet added (see module doc)."""
+        self.expire(now)
+        out: list[WorkerView] = []
+        for worker in workers:
+            ids = self._by_worker.get(worker.worker_id)
+            if not ids:
+                out.append(worker)
+                continue
+            seen_until = now - worker.report_age_s - self.visibility_delay_s
+            tokens = requests = 0
+            joins: list[PendingJoin] = []
+            for request_id in sorted(ids):
+                entry = self._entries[request_id]
+                if (
+                    entry.prefill_id == worker.worker_id
+                    and not entry.prefill_done
+                    and entry.dispatched_at_s > seen_until
+                ):
+                    tokens += entry.prefill_tokens
+                    requests += 1
+                if entry.decode_id == worker.worker_id and entry.join_at_s > seen_until:
+                    joins.append(
+                        PendingJoin(
+                            entry.request_id,
+                            entry.join_at_s,
+                            entry.context_tokens,
+                            entry.max_tokens,
+                        )
+                    )
+            if tokens or joins:
+                worker = replace(
+                    worker,
+                    queued_prefill_tokens=worker.queued_prefill_tokens + tokens,
+                    queued_requests=worker.queued_requests + requests,
+                    pending_joins=worker.pending_joins + tuple(joins),
+                )
+            out.append(worker)
+        return tuple(out)
