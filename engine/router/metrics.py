@@ -77,10 +77,10 @@ class SloTargets(Protocol):
 
 
 class ErrorTracker(Protocol):
-    """What the metrics read of the core's `PredictionTracker`."""
+    """What a scrape reads of the core's `PredictionTracker` (RouterCore feeds it)."""
 
-    def record(self, kind: str, predicted_s: float, observed_s: float, now: float) -> None: ...
-    def median_relative_error(self, kind: str) -> float | None: ...
+    def count(self, kind: str) -> int: ...
+    def median_relative_error(self, kind: str) -> float: ...
     def drifted(self, kind: str) -> bool: ...
 
 
@@ -194,8 +194,8 @@ class RouterMetrics:
     (busy seconds in the window / window). `batch_sample_interval_s`: the decode batch-size
     histogram takes at most one sample per worker per interval, so its distribution is over
     time, not over how often the shell happens to look. `tracker`: the core's
-    PredictionTracker; `observe_finished` records predictions into it and scrapes read its
-    median error and drift flag.
+    PredictionTracker (RouterCore records into it); scrapes read its median error and drift
+    flag.
     """
 
     def __init__(
@@ -337,7 +337,8 @@ class RouterMetrics:
         )  # fmt: skip
         self.prediction_relative_error = Histogram(
             "strata_router_prediction_relative_error",
-            "(observed - predicted) / predicted of finished requests, by kind (ttft, tpot)",
+            "(predicted - observed) / observed of finished requests, by kind (ttft, tpot): "
+            "positive = the time model is pessimistic",
             ["kind"], buckets=RELATIVE_ERROR_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_SnapshotCollector(self))
@@ -457,8 +458,8 @@ class RouterMetrics:
     def observe_finished(self, done: FinishedRequest, *, now: float) -> None:
         """One placed request that ended: latency histograms of its class, its outcome, output
         tokens per worker, SLO attainment against the class targets (a class without targets
-        counts as met), and, for an "ok" request, the prediction errors (recorded in the
-        tracker too, when one is attached). Never raises."""
+        counts as met), and, for an "ok" request, the prediction errors (predicted - observed)
+        / observed, the tracker's convention. Never raises."""
         cls = done.slo_class
         self.requests.labels(cls, done.outcome).inc()
         for worker, n in done.tokens_by_worker.items():
@@ -489,12 +490,10 @@ class RouterMetrics:
             ("ttft", done.predicted_ttft_s, done.ttft_s),
             ("tpot", done.predicted_tpot_s, tpot),
         ):
-            if predicted > 0 and observed is not None:
+            if predicted > 0 and observed is not None and observed > 0:
                 self.prediction_relative_error.labels(kind).observe(
-                    (observed - predicted) / predicted
+                    (predicted - observed) / observed
                 )
-                if self._tracker is not None:
-                    self._tracker.record(kind, predicted, observed, now)
 
     # ---- exposition
 
@@ -666,7 +665,7 @@ class RouterMetrics:
 
         median = GaugeMetricFamily(
             "strata_router_prediction_median_relative_error",
-            "Median (observed - predicted) / predicted over the tracker's recent requests",
+            "Median (predicted - observed) / observed over the tracker's recent requests",
             labels=["kind"],
         )
         drift = GaugeMetricFamily(
@@ -676,9 +675,8 @@ class RouterMetrics:
         )
         if self._tracker is not None:
             for kind in ("ttft", "tpot"):
-                m = self._tracker.median_relative_error(kind)
-                if m is not None:
-                    median.add_metric([kind], m)
+                if self._tracker.count(kind) > 0:
+                    median.add_metric([kind], self._tracker.median_relative_error(kind))
                 drift.add_metric([kind], 1.0 if self._tracker.drifted(kind) else 0.0)
         yield median
         yield drift

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.router.core.prediction import PredictionTracker
 from engine.router.core.types import Placement, Refusal, RefusalReason, Role, WorkerView
 from engine.router.metrics import FinishedRequest, RouterMetrics, bounding_tier
 from kvstore_pb import engine_pb2 as pb
@@ -52,22 +53,6 @@ class Cls:
     name: str
     ttft_s: float
     tpot_s: float
-
-
-class Tracker:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, float, float, float]] = []
-
-    def record(self, kind: str, predicted_s: float, observed_s: float, now: float) -> None:
-        self.records.append((kind, predicted_s, observed_s, now))
-
-    def median_relative_error(self, kind: str) -> float | None:
-        errs = sorted((o - p) / p for k, p, o, _ in self.records if k == kind)
-        return errs[len(errs) // 2] if errs else None
-
-    def drifted(self, kind: str) -> bool:
-        m = self.median_relative_error(kind)
-        return m is not None and abs(m) > 0.25
 
 
 def sample(m: RouterMetrics, name: str, **labels: str) -> float | None:
@@ -185,8 +170,10 @@ def test_pulls_hits_bytes_and_shortfalls() -> None:
 
 
 def test_finished_requests_latency_attainment_and_prediction_error() -> None:
-    tracker = Tracker()
+    tracker = PredictionTracker(min_samples=2, threshold=0.25)
     m = RouterMetrics(tracker=tracker)
+    assert sample(m, "strata_router_prediction_median_relative_error", kind="ttft") is None
+    assert sample(m, "strata_router_profile_drift", kind="ttft") == 0
     m.set_slo_classes([Cls("gold", ttft_s=0.5, tpot_s=0.05), Cls("bulk", 5.0, 0.5)])
     assert sample(m, "strata_router_slo_ttft_seconds", slo_class="gold") == 0.5
     assert sample(m, "strata_router_slo_tpot_seconds", slo_class="bulk") == 0.5
@@ -209,27 +196,28 @@ def test_finished_requests_latency_attainment_and_prediction_error() -> None:
     assert sample(m, "strata_router_slo_met_total", slo_class="gold", target="ttft") == 1
     assert sample(m, "strata_router_slo_met_total", slo_class="gold", target="tpot") == 1
     assert sample(m, "strata_router_slo_met_total", slo_class="gold", target="both") == 1
-    # TTFT errors: +25% and +100%; TPOT: +50% and +200%.
+    # (predicted - observed) / observed. TTFT: 0.2 vs 0.25 is -20%, 0.4 vs 0.8 is -50%;
+    # TPOT: 0.02 vs 0.03 is -33%, 0.02 vs 0.06 is -67%. (Negative buckets: no _sum.)
     err = "strata_router_prediction_relative_error"
-    # (A histogram with negative buckets exposes no _sum.)
-    assert sample(m, f"{err}_bucket", kind="ttft", le="0.2") == 0
-    assert sample(m, f"{err}_bucket", kind="ttft", le="0.3") == 1
-    assert sample(m, f"{err}_bucket", kind="ttft", le="1.0") == 2
-    assert sample(m, f"{err}_bucket", kind="tpot", le="0.3") == 0
-    assert sample(m, f"{err}_bucket", kind="tpot", le="1.0") == 1
+    assert sample(m, f"{err}_bucket", kind="ttft", le="-0.5") == 1
+    assert sample(m, f"{err}_bucket", kind="ttft", le="-0.3") == 1
+    assert sample(m, f"{err}_bucket", kind="ttft", le="-0.1") == 2
+    assert sample(m, f"{err}_bucket", kind="tpot", le="-0.5") == 1
+    assert sample(m, f"{err}_bucket", kind="tpot", le="-0.3") == 2
     assert sample(m, f"{err}_count", kind="tpot") == 2
-    assert [(k, n) for k, _, _, n in tracker.records] == [
-        ("ttft", 5.0), ("tpot", 5.0), ("ttft", 6.0), ("tpot", 6.0),
-    ]  # fmt: skip
-    assert sample(m, "strata_router_prediction_median_relative_error", kind="ttft") == 1.0
+    # The gauges read the tracker (which RouterCore feeds, not these calls).
+    assert sample(m, "strata_router_prediction_median_relative_error", kind="ttft") is None
+    tracker.record("ttft", 0.2, 0.4, now=5.0)
+    tracker.record("ttft", 0.3, 0.6, now=6.0)
+    assert sample(m, "strata_router_prediction_median_relative_error", kind="ttft") == -0.5
     assert sample(m, "strata_router_profile_drift", kind="ttft") == 1
+    assert sample(m, "strata_router_profile_drift", kind="tpot") == 0
     # A cancelled request counts and credits its tokens, but no latency or attainment.
     cancelled = replace(good, outcome="cancelled", tokens_by_worker={"d1": 3, "d2": 2})
     m.observe_finished(cancelled, now=7.0)
     assert sample(m, "strata_router_requests_total", slo_class="gold", outcome="cancelled") == 1
     assert sample(m, "strata_router_output_tokens_total", worker="d2") == 2
     assert sample(m, "strata_router_e2e_seconds_count", slo_class="gold") == 2
-    assert len(tracker.records) == 4
     # A class without targets counts as met.
     m.observe_finished(replace(good, slo_class="adhoc"), now=8.0)
     assert sample(m, "strata_router_slo_met_total", slo_class="adhoc", target="both") == 1
