@@ -31,6 +31,7 @@ from client.scope import (
     Scope,
     chain_key,
     dtype_code,
+    key_digest,
 )
 
 MAGIC = b"SKVP"
@@ -201,7 +202,7 @@ class PageHeader:
     def _chain_key(self) -> bytes:
         raw = self._raw
         if raw and len(self.parent) == KEY_BYTES:  # the token bytes are already little-endian u32
-            return xxhash.xxh3_128_digest(
+            return key_digest(
                 self.parent + raw[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + 4 * len(self.tokens)]
             )
         return chain_key(self.parent, self.tokens)
@@ -276,7 +277,7 @@ def quick_check(raw: bytes, scope: Scope) -> tuple[bytes, bytes] | None:
     if xxhash.xxh3_64_intdigest(raw[:body]) != int.from_bytes(raw[body:], "little"):
         return None
     key, parent = raw[28:44], raw[44:60]
-    if xxhash.xxh3_128_digest(parent + raw[HEADER_FIXED_BYTES:body]) != key:
+    if key_digest(parent + raw[HEADER_FIXED_BYTES:body]) != key:
         return None
     return key, parent
 

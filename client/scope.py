@@ -1,26 +1,31 @@
 """Scopes and page keys: the contract every component shares (DESIGN §3).
 
 A `Scope` names everything that makes two KV pages interchangeable: model, weights, tokenizer,
-adapter, KV dtype and layout, shard and tenant namespace. Its digest is a 128-bit xxh3 over a
-canonical, field-tagged, length-prefixed encoding, so no two fields can ever collide.
+adapter, KV dtype and layout, shard and tenant namespace. Its digest is BLAKE2b truncated to 128
+bits over a canonical, field-tagged, length-prefixed encoding, so no two fields can ever collide.
 
-Page key i is `xxh3_128(k_{i-1} ‖ tokens of page i as little-endian uint32)`, with `k_-1` the
-scope digest. Nothing here is seeded per process: keys are stable across processes, hosts and
-restarts, and golden-vector tests pin them (tests/unit/test_scope.py).
+Page key i is `BLAKE2b-128(k_{i-1} ‖ tokens of page i as little-endian uint32)`, with `k_-1` the
+scope digest. Both hashes are collision-resistant (key schema 2): a chosen-input adversary cannot
+build two token lists with one key, nor a scope whose digest is another tenant's. Schema 1 used
+xxh3-128, which is fast but not collision-resistant; its keys are refused. The two hashes are
+domain-separated by BLAKE2b's personalization, so a scope encoding and a page's key input can
+never be confused. Nothing here is seeded per process: keys are stable across processes, hosts
+and restarts, and golden-vector tests pin them (tests/unit/test_scope.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import xxhash
-
 from client.errors import InvalidArgument
 
 KEY_BYTES = 16
-KEY_SCHEMA_VERSION = 1
+KEY_SCHEMA_VERSION = 2
+_SCOPE_PERSON = b"strata-scope-v2"
+_KEY_PERSON = b"strata-key-v2"
 
 # KV dtypes a page may hold, with their element size in bytes. The code is what page headers carry.
 DTYPES: dict[str, tuple[int, int]] = {
@@ -139,7 +144,7 @@ class Scope:
             )
         if bool(self.adapter_id) != bool(self.adapter_fingerprint):
             raise InvalidArgument("an adapter needs both adapter_id and adapter_fingerprint")
-        object.__setattr__(self, "_digest", xxhash.xxh3_128_digest(self.encode()))
+        object.__setattr__(self, "_digest", scope_digest(self.encode()))
 
     def encode(self) -> bytes:
         """The canonical encoding: magic, then (tag u16, length u32, value) per field, in tag order."""
@@ -211,7 +216,7 @@ class Scope:
 
     @property
     def digest(self) -> bytes:
-        """16-byte xxh3-128 digest of the canonical encoding (big-endian, as xxhash prints it)."""
+        """16-byte BLAKE2b-128 digest of the canonical encoding (personalized `strata-scope-v2`)."""
         return self._digest
 
     @property
@@ -239,11 +244,21 @@ def _tokens_le(tokens: Sequence[int]) -> bytes:
         raise InvalidArgument(f"token ids must be uint32, got {bad!r}") from None
 
 
+def scope_digest(encoding: bytes) -> bytes:
+    """BLAKE2b-128 of a scope's canonical encoding, personalized apart from page keys."""
+    return hashlib.blake2b(encoding, digest_size=KEY_BYTES, person=_SCOPE_PERSON).digest()
+
+
+def key_digest(parent_and_tokens: bytes) -> bytes:
+    """BLAKE2b-128 of `parent key ‖ little-endian uint32 token ids`: a page key (schema 2)."""
+    return hashlib.blake2b(parent_and_tokens, digest_size=KEY_BYTES, person=_KEY_PERSON).digest()
+
+
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a page whose predecessor key (or scope digest, for the first page) is `parent`."""
     if len(parent) != KEY_BYTES:
         raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
-    return xxhash.xxh3_128_digest(parent + _tokens_le(tokens))
+    return key_digest(parent + _tokens_le(tokens))
 
 
 def page_keys(scope: Scope, token_ids: Sequence[int]) -> list[bytes]:

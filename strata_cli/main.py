@@ -16,6 +16,7 @@ commands:
   bench store        store put/get/lookup benchmark vs memcpy (same-host and remote paths)
   bench cluster      cluster put/get throughput and lookup latency, 1 node vs N nodes
   bench engine       engine TTFT with no cache vs a full DRAM / SSD hit; decode tokens/s
+  bench keys         page-key hashing cost: BLAKE2b-128 (key schema 2) vs xxh3, per page
   model init PATH    write a random-weight checkpoint (--preset tiny|small)
   prefill            run a prefill worker (--model PATH --store ADDR [--port N])
   decode             run a decode worker (--model PATH --store ADDR [--port N])
@@ -48,6 +49,10 @@ def _bench(argv: Sequence[str]) -> int:
         from loadtests.bench_engine import main as engine_main
 
         return engine_main(rest)
+    if what == "keys":
+        from loadtests.bench_keys import main as keys_main
+
+        return keys_main(rest)
     print(
         f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine)", file=sys.stderr
     )

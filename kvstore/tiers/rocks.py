@@ -141,11 +141,18 @@ def open_rocks(path: Path) -> RocksHandles:
 
 
 def has_headers(h: RocksHandles) -> bool:
-    """Whether the headers family holds any entry (True when RocksDB cannot tell). Pure."""
+    """Whether the headers family holds any entry (True when RocksDB cannot tell). Pure.
+
+    An iterator that hits a damaged block is merely not valid; its status tells the damage
+    apart from an empty family (a damaged first block must not make the tier look empty and
+    skip the scan that drops the damage and salvages the rest)."""
     it = h.headers.iter(ReadOptions())
     try:
         it.seek_to_first()
-        return bool(it.valid())
+        if it.valid():
+            return True
+        it.status()  # raises on a RocksDB error
+        return False
     except Exception:  # rocksdict reports RocksDB errors as plain Exception
         return True
     finally:

@@ -8,6 +8,7 @@ vector to make a test pass; bump KEY_SCHEMA_VERSION and add vectors for the new 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import os
@@ -17,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,14 +50,14 @@ LLAMA = Scope(
     layout=KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_tokens=16),
 )
 LLAMA_ENCODING = (
-    "5354524154412d53434f5045010004000000010000000200170000006d6574612d6c6c616d612f4c6c616d612d"
+    "5354524154412d53434f5045010004000000020000000200170000006d6574612d6c6c616d612f4c6c616d612d"
     "332e312d384203000f0000007368613235363a303132336162636404000c000000746f6b3a6665656462656566"
-    "05000000000006000000000007000800000062666c6f617431360800100000002000000008000000800000001000"
-    "0000090010000000000000000100000000000000010000000a0000000000"
+    "05000000000006000000000007000800000062666c6f6174313608001000000020000000080000008000000010"
+    "000000090010000000000000000100000000000000010000000a0000000000"
 )
-LLAMA_DIGEST = "8036093f7cc33600768f7798dfa7919a"
+LLAMA_DIGEST = "53ae35a998ec8669aebe4ab7357798d1"
 LLAMA_TOKENS = list(range(40))  # two full pages of 16 and a tail of 8
-LLAMA_KEYS = ["75c12e6ff22ffcbeb5fd120c3369e9c9", "1928cabce78e83fa09179094e888d9fd"]
+LLAMA_KEYS = ["b18ff0a9789d3d5ba31fec515141a285", "01bab2b2d6343808e3f0e00779146017"]
 
 QWEN_LORA = Scope(
     model_id="Qwen/Qwen2.5-7B",
@@ -71,14 +71,14 @@ QWEN_LORA = Scope(
     namespace="tenant-a",
 )
 QWEN_LORA_ENCODING = (
-    "5354524154412d53434f50450100040000000100000002000f0000005177656e2f5177656e322e352d37420300"
+    "5354524154412d53434f50450100040000000200000002000f0000005177656e2f5177656e322e352d37420300"
     "050000007265762d32040005000000746f6b2d320500080000006c6f72612d73716c06000400000066702d3907"
     "0007000000666c6f617431360800100000001c0000000400000080000000200000000900100000000100000002"
     "00000001000000020000000a000800000074656e616e742d61"
 )
-QWEN_LORA_DIGEST = "4351367dd7a617e4d5060ccc55843a24"
+QWEN_LORA_DIGEST = "7af1cde907abdd44effa984411184982"
 QWEN_LORA_TOKENS = [0, 1, U32_MAX, 128000] * 16  # exactly two pages of 32
-QWEN_LORA_KEYS = ["925ae40f6053c392102a87ff0dda5c07", "0adda1dc717614b51bb0d57d744c6a85"]
+QWEN_LORA_KEYS = ["9774b3349d9534cdddb96cdc0812733f", "37f0254206d9545e8889f1d16a3b807f"]
 
 UNICODE = Scope(
     model_id="模型/ünï",
@@ -89,17 +89,17 @@ UNICODE = Scope(
     namespace="salt ✓",
 )
 UNICODE_ENCODING = (
-    "5354524154412d53434f50450100040000000100000002000c000000e6a8a1e59e8b2fc3bc6ec3af030000000000"
-    "04000000000005000000000006000000000007000d000000666c6f6174385f65346d33666e080010000000010000"
-    "00010000000100000001000000090010000000000000000100000000000000010000000a000800000073616c7420"
-    "e29c93"
+    "5354524154412d53434f50450100040000000200000002000c000000e6a8a1e59e8b2fc3bc6ec3af0300000000"
+    "0004000000000005000000000006000000000007000d000000666c6f6174385f65346d33666e08001000000001"
+    "000000010000000100000001000000090010000000000000000100000000000000010000000a00080000007361"
+    "6c7420e29c93"
 )
-UNICODE_DIGEST = "edc282748b3538b03b8665ead7370b3d"
+UNICODE_DIGEST = "9c7593d67e4d59e5e519ead94df62194"
 UNICODE_TOKENS = [7, 0, U32_MAX]
 UNICODE_KEYS = [
-    "5575ec0a49595ea8f931c7e6d5bf7082",
-    "2a91fd33af17268d42c4fc9f31e969aa",
-    "66217a80f13eeaf2e1f96f986c3ec133",
+    "ed7992958f82ca8a9fbadd53ba23ee28",
+    "01a6e7d9eb3ca247885aa73c1df213a2",
+    "13dd44d5c3f84922f7f0c48f5c2494f9",
 ]
 
 GOLDEN = [
@@ -119,8 +119,9 @@ GOLDEN = [
 
 
 def test_schema_version_is_pinned() -> None:
-    # The golden vectors below are for schema 1. A new schema needs new vectors, not edited ones.
-    assert KEY_SCHEMA_VERSION == 1
+    # The golden vectors above are for schema 2 (BLAKE2b-128). Schema 1 (xxh3-128, not
+    # collision-resistant) is refused. A new schema needs new vectors, not edited ones.
+    assert KEY_SCHEMA_VERSION == 2
     assert KEY_BYTES == 16
 
 
@@ -151,20 +152,25 @@ def test_golden_vectors_follow_the_spec(
     scope: Scope, encoding: str, digest: str, tokens: list[int], keys: list[str]
 ) -> None:
     """Recompute the vectors from DESIGN §3 directly, independent of page_keys' loop."""
-    assert xxhash.xxh3_128_digest(bytes.fromhex(encoding)).hex() == digest
+    blake = hashlib.blake2b
+    assert (
+        blake(bytes.fromhex(encoding), digest_size=16, person=b"strata-scope-v2").hexdigest()
+        == digest
+    )
     page = scope.layout.page_tokens
     parent = bytes.fromhex(digest)
     expected = []
     for i in range(len(tokens) // page):
         chunk = tokens[i * page : (i + 1) * page]
-        parent = xxhash.xxh3_128_digest(parent + struct.pack(f"<{page}I", *chunk))
+        data = parent + struct.pack(f"<{page}I", *chunk)
+        parent = blake(data, digest_size=16, person=b"strata-key-v2").digest()
         expected.append(parent.hex())
     assert expected == keys
 
 
 def test_golden_chain_key() -> None:
-    assert chain_key(bytes(16), [1, 2, 3]).hex() == "314bcfbba8cda5e99f59a8edb9f7a5f5"
-    assert chain_key(bytes(16), []).hex() == "e5189a9599e3f86205ea23ef06e28b2d"
+    assert chain_key(bytes(16), [1, 2, 3]).hex() == "232836d029c484f3ad79ae4c37e6acfe"
+    assert chain_key(bytes(16), []).hex() == "cc2a5cf50c08b8688f75e49f8a32d8fd"
 
 
 # ---- field separation --------------------------------------------------------------------------
@@ -375,7 +381,8 @@ def test_decode_rejects_reordered_fields() -> None:
 @pytest.mark.parametrize(
     ("tag", "value"),
     [
-        (1, struct.pack("<I", 2)),  # unsupported schema version
+        (1, struct.pack("<I", 1)),  # schema 1 (xxh3 keys) is no longer accepted
+        (1, struct.pack("<I", 3)),  # unsupported schema version
         (1, struct.pack("<H", 1)),  # schema field of the wrong width
         (2, b""),  # empty model id
         (2, b"\xff\xfe"),  # not UTF-8
@@ -415,6 +422,8 @@ def test_constructor_validation() -> None:
         dataclasses.replace(LLAMA, adapter_fingerprint="f")
     with pytest.raises(InvalidArgument):
         dataclasses.replace(LLAMA, key_schema_version=KEY_SCHEMA_VERSION + 1)
+    with pytest.raises(InvalidArgument, match="key schema version 1 is not supported"):
+        dataclasses.replace(LLAMA, key_schema_version=1)  # xxh3 keys: not collision-resistant
     with pytest.raises(InvalidArgument):
         KVLayout(num_layers=0, num_kv_heads=1, head_dim=1, page_tokens=1)
     with pytest.raises(InvalidArgument):
