@@ -44,6 +44,10 @@ class StoreCounters:
     lookups: int = 0
     lookup_hit_pages: int = 0
     refused_full: int = 0
+    ssd_read_errors: int = 0  # I/O errors (not checksum failures) on SSD reads: served as misses
+    ssd_write_errors: int = 0  # failed SSD writes (demotions, write-through, placement)
+    stale_fenced: int = 0  # late calls on expired leases and torn reads stopped by the fences
+    quarantined_slots: int = 0  # slots of expired same-host leases held until their holder is done
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_bytes(self, path: str, direction: str, io_class: IoClass, n_bytes: int) -> None:
@@ -89,6 +93,9 @@ class StoreCollector:
                 c.lookups,
                 c.lookup_hit_pages,
                 c.refused_full,
+                c.ssd_read_errors,
+                c.ssd_write_errors,
+                c.stale_fenced,
             )
         yield _per_tier("strata_hits", "Pages found, by the tier that served them", hits)
         yield _per_tier("strata_misses", "Pages looked for in a tier and not found there", misses)
@@ -109,7 +116,7 @@ class StoreCollector:
             for (src, dst), value in sorted(data.items()):
                 fam.add_metric([TIER_NAMES[src], TIER_NAMES[dst]], value)
             yield fam
-        corrupt, expiries, lookups, lookup_hits, refused = scalars
+        corrupt, expiries, lookups, lookup_hits, refused, rd_err, wr_err, fenced = scalars
         yield CounterMetricFamily(
             "strata_corrupt_pages_dropped",
             "Pages that failed verification and were dropped",
@@ -122,6 +129,17 @@ class StoreCollector:
         )
         yield CounterMetricFamily(
             "strata_writes_refused_full", "Writes refused because a tier was full", value=refused
+        )
+        yield CounterMetricFamily(
+            "strata_ssd_read_errors", "SSD reads that failed with an I/O error", value=rd_err
+        )
+        yield CounterMetricFamily(
+            "strata_ssd_write_errors", "SSD writes that failed with an I/O error", value=wr_err
+        )
+        yield CounterMetricFamily(
+            "strata_stale_fenced",
+            "Calls on expired leases and torn reads stopped by the slot fences",
+            value=fenced,
         )
         used = GaugeMetricFamily("strata_tier_used_bytes", "Bytes in use per tier", labels=["tier"])
         cap = GaugeMetricFamily(

@@ -30,6 +30,7 @@ from kvstore.errors import (
     InvalidArgument,
     LeaseExpired,
     StrataError,
+    Unavailable,
 )
 from kvstore.events import EventKind, EventLog
 from kvstore.index import Index, PageEntry
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 _GPU, _DRAM = Tier.GPU, Tier.DRAM  # enum lookups cost ~75 ns each on Python 3.11
 
 _SCOPE_CACHE = 1024
+_READ_OK, _READ_BAD, _READ_IO_ERROR = 1, 2, 3  # outcomes of one SSD page read (`_read_ssd`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,102 +494,135 @@ class Store:
                     return Acquisition(0, tuple(held), 0)
                 lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
                 return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
-        # SSD pages are read straight into DRAM slots taken now (lock free while reading)
+        # SSD pages are read straight into DRAM slots taken now (lock free while reading).
+        # Whatever goes wrong from here on, every pin and slot taken is given back.
         slots: dict[int, int] = {}
-        if need_ssd:
+        adopted: set[int] = set()
+        try:
+            if need_ssd:
+                with self._lock:
+                    for i in need_ssd:
+                        entry = index.get(keys[i])
+                        if entry is not None and entry.dram is None:
+                            with contextlib.suppress(CapacityExhausted):
+                                slots[i] = self.tiers.allocate_dram(entry.payload_bytes)
+            read_ok = self._read_ssd(keys, slots, io_class) if slots else {}
             with self._lock:
-                for i in need_ssd:
-                    entry = index.get(keys[i])
-                    if entry is not None and entry.dram is None:
-                        with contextlib.suppress(CapacityExhausted):
-                            slots[i] = self.tiers.allocate_dram(entry.payload_bytes)
-        read_ok = self._read_ssd(keys, slots, io_class) if slots else {}
-        with self._lock:
-            for i in slow:
-                key = keys[i]
-                entry = index.get(key)
-                if entry is None:
-                    continue
-                source = entry.fastest
-                slot = slots.get(i)
-                copied = entry.dram is not None or entry.gpu is not None  # by another reader
-                if slot is not None and (copied or not read_ok.get(i)):
-                    self.tiers.dram.free(slot)
-                    slot = None
-                if entry.dram is None:
-                    if entry.gpu is not None:  # a DRAM copy of a GPU page, to serve it from
-                        served = self.tiers.copy_gpu_to_dram(entry)
-                    elif slot is not None:
-                        self.tiers.adopt_promotion(entry, slot)
-                        served = True
-                    elif i in slots:  # failed verification, or lost from the SSD
-                        self._unpin(key)
-                        pinned.remove(key)
-                        self._drop_if_unpinned(entry, corrupt=True)
+                for i in slow:
+                    key = keys[i]
+                    entry = index.get(key)
+                    if entry is None:
                         continue
-                    else:
-                        served = False
-                    if not served:
-                        self._unpin(key)
-                        pinned.remove(key)
-                        log.warning("no DRAM room to serve page %s; reported as a miss", key.hex())
-                        continue
-                assert entry.dram is not None and source is not None
-                index.touch(key)
-                hit_tiers.append(source)
-                held[i] = HeldPage(source, entry.dram, entry.payload_bytes, entry.header)
-            self._count_hits(hit_tiers)
-            if not pinned:
-                return Acquisition(0, tuple(held), 0)
-            lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
+                    source = entry.fastest
+                    slot = slots.get(i)
+                    outcome = read_ok.get(i)
+                    copied = entry.dram is not None or entry.gpu is not None  # by another reader
+                    if slot is not None and (copied or outcome is not _READ_OK):
+                        self.tiers.dram.free(slot)
+                        adopted.add(i)  # given back
+                        slot = None
+                    if entry.dram is None:
+                        if entry.gpu is not None:  # a DRAM copy of a GPU page, to serve it from
+                            served = self.tiers.copy_gpu_to_dram(entry)
+                        elif slot is not None:
+                            self.tiers.adopt_promotion(entry, slot)
+                            adopted.add(i)
+                            served = True
+                        elif outcome is _READ_IO_ERROR:  # the disk failed, not the page: keep it
+                            self._unpin(key)
+                            pinned.remove(key)
+                            continue
+                        elif i in slots:  # failed verification, or lost from the SSD
+                            self._unpin(key)
+                            pinned.remove(key)
+                            self._drop_if_unpinned(entry, corrupt=True)
+                            continue
+                        else:
+                            served = False
+                        if not served:
+                            self._unpin(key)
+                            pinned.remove(key)
+                            log.warning(
+                                "no DRAM room to serve page %s; reported as a miss", key.hex()
+                            )
+                            continue
+                    assert entry.dram is not None and source is not None
+                    index.touch(key)
+                    hit_tiers.append(source)
+                    held[i] = HeldPage(source, entry.dram, entry.payload_bytes, entry.header)
+                self._count_hits(hit_tiers)
+                if not pinned:
+                    return Acquisition(0, tuple(held), 0)
+                lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
+        except BaseException:
+            with self._lock:
+                for i, slot in slots.items():
+                    if i not in adopted:
+                        self.tiers.dram.free(slot)
+                for key in pinned:
+                    self._unpin(key)
+            raise
         return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
 
     def _read_ssd(
         self, keys: Sequence[bytes], slots: dict[int, int], io_class: IoClass
-    ) -> dict[int, bool]:
+    ) -> dict[int, int]:
         """Read pinned SSD pages `keys[i]` straight into their DRAM slots `slots[i]`, verified,
-        lock free. False marks a page that failed verification or is gone from the SSD.
+        lock free. Each page's outcome: `_READ_OK`, `_READ_BAD` (failed verification or gone
+        from the SSD: the caller drops it) or `_READ_IO_ERROR` (the disk failed: the page stays,
+        the read is a miss; counted in `ssd_read_errors`).
 
         Reads run one ahead on a reader thread while this one verifies the page before: the
         read releases the GIL, so the checksum of one page overlaps the disk read of the next.
         """
         ssd = self.tiers.ssd
-        out: dict[int, bool] = {}
+        out: dict[int, int] = {}
         if ssd is None:
             return out
         dram = self.tiers.dram
 
-        def fetch(i: int) -> tuple[PageHeader | None, memoryview] | Corrupt:
+        def fetch(i: int) -> tuple[PageHeader | None, memoryview] | StrataError:
             key, slot = keys[i], slots[i]
             entry = self.index.get(key)  # pinned: it stays
-            known = PageHeader.decode(entry.header) if entry is not None else None
-            view = dram.view(slot, dram.slot_bytes(slot))
             try:
+                known = PageHeader.decode(entry.header) if entry is not None else None
+                view = dram.view(slot, dram.slot_bytes(slot))
                 return ssd.read_into(key, view, known, verify=False), view
-            except Corrupt as exc:
+            except (Corrupt, Unavailable) as exc:
                 return exc
+            except OSError as exc:  # an I/O error the tier did not wrap: still a disk failure
+                return Unavailable(f"ssd tier: reading page {key.hex()}: {exc}")
 
         order = list(slots)
+        errors = 0
         with self.scheduler.admit(io_class, 0):
             ahead = self._ssd_reader().submit(fetch, order[0])
             for n, i in enumerate(order):
                 got = ahead.result()
                 if n + 1 < len(order):
                     ahead = self._ssd_reader().submit(fetch, order[n + 1])
-                if not isinstance(got, Corrupt):
+                if isinstance(got, Unavailable):
+                    log.warning("SSD read of page %s failed: %s", keys[i].hex(), got)
+                    out[i] = _READ_IO_ERROR
+                    errors += 1
+                    continue
+                if not isinstance(got, StrataError):
                     header, view = got
                     try:
                         if header is not None:
                             header.verify_payload(view[: header.payload_bytes])
                     except Corrupt as exc:
                         got = exc
-                if isinstance(got, Corrupt):
+                if isinstance(got, StrataError):
                     log.warning("SSD page %s failed verification: %s", keys[i].hex(), got)
-                    out[i] = False
+                    out[i] = _READ_BAD
                     continue
-                out[i] = got[0] is not None
+                out[i] = _READ_OK if got[0] is not None else _READ_BAD
                 if got[0] is not None:
                     self.counters.add_bytes("ssd", "out", io_class, got[0].payload_bytes)
+        if errors:
+            with self.counters.lock:
+                self.counters.ssd_read_errors += errors
         return out
 
     def _ssd_reader(self) -> ThreadPoolExecutor:

@@ -155,6 +155,7 @@ class SegmentFiles:
             self.faults.before_read(f"segment {seg}")
             got = os.preadv(fd, [memoryview(buf)[:span]], offset)
         except OSError as exc:
+            self._forget(seg, fd)  # the next read opens the file afresh (it may be replaced)
             raise Unavailable(f"ssd tier: reading segment {seg}: {exc}") from exc
         finally:
             self._done_reading(seg, fd)
@@ -229,6 +230,14 @@ class SegmentFiles:
                 self._read_fds[seg] = fd
             self._readers[seg] = self._readers.get(seg, 0) + 1
             return fd
+
+    def _forget(self, seg: int, fd: int) -> None:
+        """Stop reusing the descriptor `fd` of `seg` (a read failed on it); the last reader
+        closes it."""
+        with self._fd_lock:
+            if self._read_fds.get(seg) == fd and seg not in self._closing:
+                del self._read_fds[seg]
+                self._closing[seg] = fd
 
     def _done_reading(self, seg: int, fd: int) -> None:
         with self._fd_lock:
