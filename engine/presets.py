@@ -29,6 +29,12 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 PRESET_NAMES = ("tiny", "small")
 VARIANTS = ("llama", "mistral", "qwen2", "qwen3")
 _LOGIT_STD = 3.0
+# A plain role-tagged chat format (the router renders it for /v1/chat/completions).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,7 @@ def init_checkpoint(
         "model_max_length": config.max_position_embeddings,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     files = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

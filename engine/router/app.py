@@ -1,0 +1,214 @@
+"""The router's HTTP edge: thin FastAPI routes over `RouterService` (OpenAI-compatible).
+
+POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), GET /v1/models,
+GET /health, GET /metrics (Prometheus text), GET /debug/decisions (the latest decisions with
+each candidate's predicted cost and why it lost), and FastAPI's GET /openapi.json. Every error,
+the framework's own validation errors included, goes through `http_errors` (one table).
+Responses to a placed request carry `x-strata-prefill`, `x-strata-decode`,
+`x-strata-predicted-ttft-ms`, `x-strata-predicted-tpot-ms` and `x-request-id`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.router.core.errors import ErrorKind, RouterError
+from engine.router.dispatch import Run
+from engine.router.http_errors import HttpError, error_body, error_response
+from engine.router.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+)
+from engine.router.service import Prepared, RouterService
+from engine.router.streaming import collect, sse_events, usage_of
+
+ERRORS: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorResponse, "description": what}
+    for status, what in (
+        (400, "malformed body, bad field value, or a prompt past the context"),
+        (404, "unknown model"),
+        (429, "refused by admission (Retry-After)"),
+        (503, "no worker can serve (Retry-After)"),
+    )
+}
+
+
+def _placement_headers(run: Run) -> dict[str, str]:
+    p = run.placement
+    return {
+        "x-request-id": run.job.request_id,
+        "x-strata-prefill": run.prefill_id,
+        "x-strata-decode": run.decode_id,
+        "x-strata-predicted-ttft-ms": f"{p.predicted_ttft_s * 1000:.3f}",
+        "x-strata-predicted-tpot-ms": f"{p.predicted_tpot_s * 1000:.3f}",
+    }
+
+
+def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The app over `service`; the service starts and stops with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(
+        title="Strata router",
+        version="1",
+        description="OpenAI-compatible completions over Strata's prefill and decode workers.",
+        lifespan=lifespan,
+    )
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+        service.metrics.observe_error(exc.kind.value)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg"))
+        service.metrics.observe_error(ErrorKind.invalid_request.value)
+        return error_response(HttpError(ErrorKind.invalid_request, message, param=where or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = ErrorKind.unknown_model if exc.status_code == 404 else ErrorKind.invalid_request
+        body = error_body(RouterError(kind, str(exc.detail)))
+        return JSONResponse(body, status_code=exc.status_code)
+
+    async def _run_or_error(prepared: Prepared) -> Run:
+        return await service.dispatcher.start(prepared.job)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    async def completions(
+        body: CompletionRequest,
+        x_strata_slo_class: Annotated[str | None, Header()] = None,
+    ) -> Response:
+        prepared = service.prepare(body, x_strata_slo_class)
+        run = await _run_or_error(prepared)
+        model = prepared.job.model.model_id
+        headers = _placement_headers(run)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            events = sse_events(
+                run,
+                chat=False,
+                response_id=prepared.response_id,
+                created=prepared.created,
+                model=model,
+                include_usage=include,
+                token_ids=body.return_token_ids,
+            )
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        got = await collect(run)
+        response = CompletionResponse(
+            id=prepared.response_id,
+            created=prepared.created,
+            model=model,
+            choices=[
+                CompletionChoice(
+                    text=got.text,
+                    finish_reason=got.finish_reason or None,
+                    token_ids=got.token_ids if body.return_token_ids else None,
+                )
+            ],
+            usage=usage_of(run),
+        )
+        return JSONResponse(response.model_dump(exclude_none=False), headers=headers)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        x_strata_slo_class: Annotated[str | None, Header()] = None,
+    ) -> Response:
+        prepared = service.prepare(body, x_strata_slo_class)
+        run = await _run_or_error(prepared)
+        model = prepared.job.model.model_id
+        headers = _placement_headers(run)
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            events = sse_events(
+                run,
+                chat=True,
+                response_id=prepared.response_id,
+                created=prepared.created,
+                model=model,
+                include_usage=include,
+                token_ids=body.return_token_ids,
+            )
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        got = await collect(run)
+        response = ChatCompletionResponse(
+            id=prepared.response_id,
+            created=prepared.created,
+            model=model,
+            choices=[
+                ChatChoice(
+                    message=AssistantMessage(content=got.text),
+                    finish_reason=got.finish_reason or None,
+                    token_ids=got.token_ids if body.return_token_ids else None,
+                )
+            ],
+            usage=usage_of(run),
+        )
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=m.model_id, created=m.created, max_model_len=m.max_context)
+                for m in service.registry.models.values()
+            ]
+        )
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health() -> JSONResponse:
+        counts = service.registry.counts()
+        serving = counts["colocated"] > 0 or (counts["prefill"] > 0 and counts["decode"] > 0)
+        status = "ok" if serving else ("degraded" if sum(counts.values()) else "unavailable")
+        body = Health(
+            status=status,
+            workers=sum(counts.values()),
+            prefill=counts["prefill"],
+            decode=counts["decode"],
+            colocated=counts["colocated"],
+            models=sorted(service.registry.models),
+        )
+        return JSONResponse(body.model_dump(), status_code=200 if serving else 503)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        data, content_type = service.metrics.render()
+        return Response(content=data, media_type=content_type)
+
+    @app.get("/debug/decisions")
+    async def decisions(limit: int = 50) -> JSONResponse:
+        items = list(service.dispatcher.decisions)[-max(1, min(limit, 1000)) :]
+        return JSONResponse({"decisions": items})
+
+    return app

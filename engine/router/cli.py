@@ -1,0 +1,118 @@
+"""`strata router`: run the OpenAI-compatible router alone, in front of running workers.
+
+strata router --workers HOST:PORT,HOST:PORT --store ADDR --profile PROFILE.json [--port N]
+strata router --config router.toml [--port N] ...
+strata router --etcd HOST:2379 [--cluster NAME] --profile PROFILE.json   (workers register there)
+
+The first line on stdout names the base URL ("strata router serving on http://HOST:PORT/v1";
+--port 0 picks a free port). The HTTP server is FastAPI on uvicorn (as vLLM and SGLang serve
+theirs); the router has no API keys and listens on loopback unless --host says otherwise.
+SIGTERM or Ctrl-C stops it (streams in flight are cancelled on their workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import logging
+import socket
+import sys
+from collections.abc import Sequence
+
+from engine.router.config import RouterConfig, load_router_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata router", description="Run the router alone.")
+    p.add_argument("--config", help="TOML file ([router] and [admission] tables)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000; 0 = any free port)")
+    p.add_argument("--workers", help="worker addresses, comma-separated HOST:PORT")
+    p.add_argument("--etcd", help="etcd endpoints where workers register (host:2379,...)")
+    p.add_argument("--cluster", help="the cluster name workers register under (default)")
+    p.add_argument("--store", help="the workers' store: HOST:PORT, a list, or etcd://HOST/NAME")
+    p.add_argument("--profile", help="time model JSON (strata profile)")
+    p.add_argument("--policy", help="strata | round_robin | least_load | longest_prefix")
+    p.add_argument("--drop-after", type=float, dest="drop_after_s", help="silent worker (s)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; OSError with a clear message when the port is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"port {port} on {host} is already in use (another router or program); "
+                "choose another with --port"
+            ) from None
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    config: RouterConfig,
+    *,
+    sock: socket.socket | None = None,
+    banner: bool = True,
+    log_level: str = "info",
+) -> int:
+    """Run the router until SIGTERM/SIGINT; the exit code. Raises OSError for a taken port."""
+    import uvicorn
+
+    from engine.router.app import create_app
+    from engine.router.core.timemodel import TimeModel
+    from engine.router.service import RouterService
+
+    if not config.profile:
+        raise ValueError("a time model is required: --profile PATH (written by strata profile)")
+    time_model = TimeModel.load(config.profile)
+    listener = sock or bind(config.host, config.port)
+    host, port = listener.getsockname()[:2]
+    base = f"http://{host}:{port}/v1"
+
+    def ready() -> None:
+        if banner:
+            print(f"strata router serving on {base}", flush=True)
+            print(f"  workers: {', '.join(config.workers) or '-'}", flush=True)
+            print(f"  etcd: {config.etcd or '-'}  store: {config.store or 'none'}", flush=True)
+            print(f"  policy: {config.policy}; profile {config.profile}", flush=True)
+            print("  open access (no API keys); stop with Ctrl-C or SIGTERM", flush=True)
+
+    service = RouterService(config, time_model)
+    app = create_app(service, on_ready=ready)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            lifespan="on",
+        )
+    )
+    asyncio.run(server.serve(sockets=[listener]))
+    if banner:
+        print("strata router stopped", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    overrides = {k: v for k, v in vars(ns).items() if k not in ("config", "log_level")}
+    try:
+        config = load_router_config(ns.config, overrides)
+        return serve(config, log_level="warning")
+    except (ValueError, OSError) as exc:
+        print(f"strata router: {exc}", file=sys.stderr)
+        return 2

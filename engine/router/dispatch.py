@@ -1,0 +1,440 @@
+"""Prefill → decode orchestration with failover (DESIGN §1, §9): the router's I/O for one request.
+
+`Dispatcher.start(job)`:
+1. asks the store which of the prompt's pages exist (a miss when it fails), copies the registry
+   into worker views and calls `RouterCore.decide` (placement, admission, ledger); a refusal
+   becomes an `HttpError` (429 with Retry-After, or 503);
+2. for a disaggregated placement, runs `Prefill` on the chosen prefill worker; a prefill that
+   fails (the worker is down, times out, errs or is busy) marks that worker failed and the
+   request is decided again without it, up to `max_attempts` times.
+
+It returns a `Run`, whose `tokens()` streams the first token and then the chosen decode
+worker's `Decode` stream (`output_token_ids=[first]`); a co-located worker takes `Decode` alone.
+A decode stream that breaks before its last event is resumed on another decode-capable worker
+from the tokens produced so far (`DecodeRequest.output_token_ids`): the worker pulls the pages
+of prompt + output from the store, recomputes the tail and continues. Events are accepted by
+index, so the caller sees every token exactly once, in order. Closing the run (the client went
+away) cancels the gRPC stream, and the worker frees the request's pages.
+
+Observed TTFT and TPOT go to the core's admission hooks and the prediction tracker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+import grpc.aio
+
+from engine.router.core.errors import ErrorKind
+from engine.router.core.router import RouterCore, explain
+from engine.router.core.types import Placement, Refusal, RefusalReason, RequestView, Role
+from engine.router.http_errors import HttpError
+from engine.router.lookup import StoreLookup
+from engine.router.metrics import FinishedRequest, RouterMetrics
+from engine.router.registry import ModelInfo, Registry
+from kvstore_pb import engine_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Status codes after which another worker may succeed where this one failed.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One request, tokenized and checked."""
+
+    request_id: str
+    model: ModelInfo
+    prompt_ids: tuple[int, ...]
+    sampling: pb.SamplingParams
+    max_tokens: int
+    slo_class: str = ""
+    tenant: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One produced token (or a last event without one: `token_id` None)."""
+
+    index: int
+    token_id: int | None
+    text: str
+    finish_reason: str = ""
+
+
+@dataclass
+class Run:
+    """A request placed and (when disaggregated) prefilled; `tokens()` streams its output."""
+
+    job: Job
+    placement: Placement
+    dispatcher: Dispatcher
+    started_at: float
+    prefill_id: str
+    decode_id: str
+    first: Token | None = None
+    cached_tokens: int = 0
+    produced: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    resumes: int = 0
+    failed: bool = False
+    tokens_by_worker: dict[str, int] = field(default_factory=dict)
+    _call: grpc.aio.UnaryStreamCall | None = None
+    _closed: bool = False
+
+    async def tokens(self) -> AsyncIterator[Token]:
+        """The output, each token once and in order; raises HttpError when no worker can
+        continue it. Cancelling the consumer cancels the worker's stream."""
+        d = self.dispatcher
+        try:
+            if self.first is not None:
+                self.tokens_by_worker[self.prefill_id] = 1
+                self._accept(self.first)
+                yield self.first
+                if self.first.finish_reason:
+                    return
+            tried: set[str] = set()
+            for attempt in range(d.max_attempts):
+                async for token in self._decode_once():
+                    yield token
+                if self.finish_reason:
+                    return
+                tried.add(self.decode_id)
+                nxt = d.pick_resume(self, tried)
+                if nxt is None:
+                    raise HttpError(
+                        ErrorKind.no_worker,
+                        f"the decode worker failed after {len(self.produced)} token(s) and no "
+                        "other decode worker is available",
+                        retry_after_s=d.retry_after_s,
+                    )
+                log.info(
+                    "request %s: resuming on %s after %d token(s) (attempt %d)",
+                    self.job.request_id,
+                    nxt,
+                    len(self.produced),
+                    attempt + 2,
+                )
+                self.decode_id = nxt
+                self.resumes += 1
+                if d.metrics is not None:
+                    d.metrics.observe_retry("decode", "stream_broken")
+            raise HttpError(
+                ErrorKind.upstream_failed,
+                f"decode failed on {d.max_attempts} workers",
+                retry_after_s=d.retry_after_s,
+            )
+        except HttpError:
+            self.failed = True
+            raise
+        finally:
+            await self.close()
+
+    async def _decode_once(self) -> AsyncIterator[Token]:
+        """One Decode stream on `decode_id` from the tokens so far; ends early on a failure."""
+        d, job = self.dispatcher, self.job
+        handle = d.registry.workers.get(self.decode_id)
+        if handle is None:
+            return
+        request = pb.DecodeRequest(
+            request_id=job.request_id,
+            prompt_token_ids=list(job.prompt_ids),
+            output_token_ids=list(self.produced),
+            sampling=job.sampling,
+        )
+        call = handle.decode_stub().Decode(request, timeout=d.decode_timeout_s)
+        self._call = call
+        try:
+            async for event in call:
+                if event.HasField("stats") and not self.cached_tokens:
+                    hit = event.stats.hit_tokens
+                    if self.placement.colocated:
+                        self.cached_tokens = hit.gpu + hit.dram + hit.ssd
+                if event.finish_reason == "cancelled":
+                    # the worker stopped before finishing: continue elsewhere
+                    d.registry.mark_failed(self.decode_id, "cancelled the stream")
+                    return
+                has_token = event.HasField("token_id")
+                if has_token and event.index < len(self.produced):
+                    continue  # a token we already have
+                if has_token and event.index > len(self.produced):
+                    raise HttpError(
+                        ErrorKind.upstream_failed,
+                        f"worker {self.decode_id} skipped from token {len(self.produced)} "
+                        f"to {event.index}",
+                    )
+                if has_token:
+                    worker = self.decode_id
+                    self.tokens_by_worker[worker] = self.tokens_by_worker.get(worker, 0) + 1
+                if event.HasField("stats") and d.metrics is not None:
+                    d.metrics.observe_decode(
+                        self.decode_id,
+                        event.stats,
+                        bytes_per_token=job.model.page_bytes // max(1, job.model.page_tokens),
+                    )
+                token = Token(
+                    event.index,
+                    event.token_id if has_token else None,
+                    event.text,
+                    event.finish_reason,
+                )
+                self._accept(token)
+                yield token
+                if event.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise HttpError(ErrorKind.invalid_request, exc.details() or "invalid") from None
+            if exc.code() not in RETRYABLE:
+                raise HttpError(
+                    ErrorKind.upstream_failed, f"{exc.code().name}: {exc.details()}"
+                ) from None
+            d.registry.mark_failed(self.decode_id, f"decode {exc.code().name}")
+        finally:
+            if not call.done():
+                call.cancel()
+            self._call = None
+
+    def _accept(self, token: Token) -> None:
+        now = self.dispatcher.clock()
+        if token.token_id is not None:
+            self.produced.append(token.token_id)
+            if not self.first_token_at:
+                self.first_token_at = now
+                self.dispatcher.on_first_token(self, now)
+            self.last_token_at = now
+        if token.finish_reason:
+            self.finish_reason = token.finish_reason
+
+    async def close(self) -> None:
+        """Cancel the worker's stream if it still runs; report the request finished. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+        self.dispatcher.on_finish(self)
+
+
+class Dispatcher:
+    """Places, prefills and streams requests. Runs on the router's event loop."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        lookup: StoreLookup,
+        core: RouterCore,
+        *,
+        metrics: RouterMetrics | None = None,
+        seed: int = 0,
+        max_attempts: int = 3,
+        prefill_timeout_s: float = 120.0,
+        decode_timeout_s: float = 3600.0,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        decisions: collections.deque[dict[str, object]] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.lookup = lookup
+        self.core = core
+        self.metrics = metrics
+        self.decisions = decisions if decisions is not None else collections.deque(maxlen=256)
+        self.rng = random.Random(seed)
+        self.max_attempts = max_attempts
+        self.prefill_timeout_s = prefill_timeout_s
+        self.decode_timeout_s = decode_timeout_s
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self.in_flight: dict[str, Run] = {}
+        self.prefill_retries = 0
+        self.decode_resumes = 0
+
+    # ---- placing and prefilling ---------------------------------------------------------
+
+    async def start(self, job: Job) -> Run:
+        """Decide and prefill. Raises HttpError for a refusal, a bad request, or when every
+        prefill attempt failed."""
+        started = self.clock()
+        model = job.model
+        hit = await asyncio.to_thread(self.lookup.lookup, model.scope, job.prompt_ids)
+        view = RequestView(
+            request_id=job.request_id,
+            prompt_tokens=len(job.prompt_ids),
+            max_tokens=job.max_tokens,
+            slo_class=job.slo_class,
+            prefix=hit,
+            page_tokens=model.page_tokens,
+            page_bytes=model.page_bytes,
+            tenant=job.tenant,
+            model=model.model_id,
+        )
+        excluded: set[str] = set()
+        last_error = ""
+        for _ in range(self.max_attempts):
+            now = self.clock()
+            workers = tuple(
+                w for w in self.registry.views(model.model_id, now) if w.worker_id not in excluded
+            )
+            decision = self.core.decide(view, workers, now, self.rng)
+            decided = self.clock()
+            self._explain(job, decision)
+            if self.metrics is not None:
+                self.metrics.observe_decision(decision, job.slo_class, decide_s=decided - now)
+            if isinstance(decision, Refusal):
+                raise self._refused(decision, last_error)
+            placement = decision
+            run = Run(job, placement, self, started, placement.prefill_id, placement.decode_id)
+            if placement.colocated:
+                self.in_flight[job.request_id] = run
+                return run
+            sent = self.clock()
+            try:
+                reply = await self._prefill(placement.prefill_id, job)
+            except grpc.aio.AioRpcError as exc:
+                self.core.on_failed(job.request_id, self.clock())
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise HttpError(ErrorKind.invalid_request, exc.details() or "invalid") from None
+                if exc.code() not in RETRYABLE:
+                    raise HttpError(
+                        ErrorKind.upstream_failed, f"prefill: {exc.code().name}: {exc.details()}"
+                    ) from None
+                last_error = f"prefill on {placement.prefill_id} failed: {exc.code().name}"
+                self.registry.mark_failed(placement.prefill_id, f"prefill {exc.code().name}")
+                excluded.add(placement.prefill_id)
+                self.prefill_retries += 1
+                if self.metrics is not None:
+                    self.metrics.observe_retry("prefill", exc.code().name.lower())
+                log.info("request %s: %s; trying another worker", job.request_id, last_error)
+                continue
+            if self.metrics is not None:
+                done = self.clock()
+                self.metrics.observe_prefill(
+                    placement.prefill_id,
+                    done - sent,
+                    reply,
+                    now=done,
+                    expected_hit_tokens=hit.hit_pages * model.page_tokens,
+                    bytes_per_token=model.page_bytes // max(1, model.page_tokens),
+                )
+            hit_tokens = reply.hit_tokens
+            run.cached_tokens = hit_tokens.gpu + hit_tokens.dram + hit_tokens.ssd
+            run.first = Token(0, reply.first_token, reply.first_text, reply.finish_reason)
+            self.in_flight[job.request_id] = run
+            return run
+        raise HttpError(
+            ErrorKind.no_worker,
+            f"no prefill worker could serve the request ({last_error})",
+            retry_after_s=self.retry_after_s,
+        )
+
+    async def _prefill(self, address: str, job: Job) -> pb.PrefillResponse:
+        handle = self.registry.workers.get(address)
+        if handle is None:
+            raise _gone(address)
+        request = pb.PrefillRequest(
+            request_id=job.request_id, token_ids=list(job.prompt_ids), sampling=job.sampling
+        )
+        reply: pb.PrefillResponse = await handle.prefill_stub().Prefill(
+            request, timeout=self.prefill_timeout_s
+        )
+        return reply
+
+    def pick_resume(self, run: Run, tried: set[str]) -> str | None:
+        """Another worker to continue `run` on: the least loaded live decode worker (co-located
+        for a co-located run) not tried yet."""
+        want = Role.colocated if run.placement.colocated else Role.decode
+        views = [
+            w
+            for w in self.registry.views(run.job.model.model_id)
+            if w.role is want and w.worker_id not in tried
+        ]
+        if not views:
+            return None
+        self.decode_resumes += 1
+        best = min(views, key=lambda w: (w.running_requests / max(1, w.max_batch), w.worker_id))
+        return best.worker_id
+
+    def _refused(self, refusal: Refusal, last_error: str) -> HttpError:
+        if refusal.reason is RefusalReason.no_worker:
+            detail = refusal.detail or "no worker can serve the request"
+            if last_error:
+                detail = f"{detail} ({last_error})"
+            return HttpError(ErrorKind.no_worker, detail, retry_after_s=refusal.retry_after_s)
+        return HttpError(
+            ErrorKind.rate_limited,
+            f"refused by admission ({refusal.reason.value}, class "
+            f"{refusal.slo_class or 'default'}): {refusal.detail}",
+            retry_after_s=refusal.retry_after_s,
+        )
+
+    def _explain(self, job: Job, decision: Placement | Refusal) -> None:
+        """Keep the decision's explanation (each candidate's predicted cost and why it lost)
+        for GET /debug/decisions, and log it at DEBUG."""
+        record: dict[str, object] = {
+            "request_id": job.request_id,
+            "slo_class": job.slo_class,
+            "prompt_tokens": len(job.prompt_ids),
+            **explain(decision),
+        }
+        self.decisions.append(record)
+        log.debug("decision %s", record)
+
+    # ---- bookkeeping hooks --------------------------------------------------------------
+
+    def on_first_token(self, run: Run, now: float) -> None:
+        self.core.on_first_token(run.job.request_id, now)
+
+    def on_finish(self, run: Run) -> None:
+        """The run ended (finished, failed or cancelled): release its bookkeeping, record it."""
+        if self.in_flight.pop(run.job.request_id, None) is None:
+            return
+        now = self.clock()
+        if run.finish_reason in ("stop", "length"):
+            outcome = "ok"
+            self.core.on_finish(run.job.request_id, now, len(run.produced))
+        else:
+            outcome = "failed" if run.failed else "cancelled"
+            self.core.on_failed(run.job.request_id, now)
+        if self.metrics is None:
+            return
+        self.metrics.observe_finished(
+            FinishedRequest.of(
+                run.placement,
+                slo_class=run.job.slo_class,
+                outcome=outcome,
+                ttft_s=run.first_token_at - run.started_at if run.first_token_at else None,
+                e2e_s=(run.last_token_at or now) - run.started_at,
+                output_tokens=len(run.produced),
+                tokens_by_worker=run.tokens_by_worker,
+            ),
+            now=now,
+        )
+
+
+def _gone(address: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details=f"worker {address} left the registry",
+    )

@@ -1,0 +1,66 @@
+"""The store as the index of what is cached: a request's page keys → the core's `PrefixHit`.
+
+The router computes the page keys of a prompt under the workers' scope (`client.page_keys`) and
+asks the same store the workers use (one daemon, or the cluster) which leading pages exist and
+in which tier. A store that is down or slow is a miss, never an error (DESIGN §1): placement
+then prices every worker as computing the whole prompt. Calls are blocking; the router runs them
+on a thread (`asyncio.to_thread`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from client import ClusterClient, Scope, StoreClient, StrataError, Tier, page_keys
+from engine.router.core.types import PrefixHit
+from engine.store_spec import StoreSpec
+
+log = logging.getLogger(__name__)
+
+
+class StoreLookup:
+    """Looks prompts up in the store of `spec` (None: no store, every lookup misses)."""
+
+    def __init__(self, spec: StoreSpec | None, *, timeout_s: float = 0.5) -> None:
+        self.spec = spec
+        self._client: StoreClient | ClusterClient | None = (
+            spec.open(timeout_s=timeout_s) if spec is not None else None
+        )
+        self._node_host = ""  # the single daemon's host id, once known
+        self._lock = threading.Lock()
+        self._quiet_until = 0.0
+        self.errors = 0
+
+    def page_keys(self, scope: Scope, token_ids: Sequence[int]) -> list[bytes]:
+        return page_keys(scope, token_ids)
+
+    def lookup(self, scope: Scope, token_ids: Sequence[int]) -> PrefixHit:
+        """The store's answer for the prompt's full pages; a miss when the store fails."""
+        client = self._client
+        if client is None:
+            return PrefixHit.none()
+        keys = page_keys(scope, token_ids)
+        if not keys:
+            return PrefixHit.none()
+        try:
+            if isinstance(client, StoreClient) and not self._node_host:
+                self._node_host = client.connect().host_id
+            found = client.lookup(scope, keys)
+        except StrataError as exc:
+            with self._lock:
+                self.errors += 1
+                now = time.monotonic()
+                loud, self._quiet_until = now >= self._quiet_until, now + 10.0
+            if loud:
+                log.warning("store lookup failed (%s); placing as a miss", exc)
+            return PrefixHit.none()
+        count = found.hit_count
+        tiers = tuple(Tier(t).name.lower() for t in found.tiers[:count])
+        return PrefixHit(count, tiers, (self._node_host,) * count)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
