@@ -1,17 +1,33 @@
-"""`strata bench store`: store put/get/lookup throughput and latency, side by side with memcpy.
+"""`strata bench store`: the store's put/get/lookup as an engine pays for them, side by side with
+memcpy and, with `--against mooncake`, with Mooncake Store in the same run.
 
 The daemon runs in its own process (started here on loopback, port 0, in a temporary folder).
-For each batch shape (64 x 64 KiB, 64 x 1 MiB, 16 x 4 MiB by default) it times, in the same run:
-a plain memcpy of the same bytes into the same destination buffers; put and get through the
-same-host shared-memory path; and put and get through the remote paths, TCP and gRPC (and UCX, on
-a second daemon, where ucxx is installed). Then a lookup of a
-512-page chain (hit and miss), a get that misses, and SSD-tier reads against `fio` where it is
-installed. Prints GB/s, p50/p99 per batch call and ratios to memcpy; `--json PATH` writes it all.
+For each batch shape (64 x 64 KiB, 64 x 1 MiB, 16 x 4 MiB by default) it times, in the same run,
+on the same source and destination buffers:
+
+- a plain memcpy of the same bytes;
+- on each path (same-host shared memory, remote TCP, remote gRPC; UCX on a second daemon where
+  ucxx works) a put and a get **as paid**, and the same **bare**. A put as paid builds its pages'
+  headers inside the timed call (`build_pages`: the key chain and the xxh3 checksum of every
+  payload, as the engine's publisher does); bare, it puts headers built beforehand. A get as
+  paid asks for verification (`verify=True`, what `engine.store_link` asks for), decodes each
+  header and checks its key, scope, layout and exact tokens as the engine does before it uses a
+  page; bare, it only counts hits (`verify=False`). The gap between the two is integrity's cost;
+- with `--against mooncake`: Mooncake's zero-copy batch API on the same buffers, with its
+  storage in this process (same-host) and in another process over its TCP transport (remote),
+  and the ratios of Strata as paid to Mooncake (see `loadtests.peers.mooncake`).
+
+Then a lookup of a 512-page chain (hit and miss) and a get that misses, per path; SSD-tier gets as
+paid against `fio` (total bytes over total time, both); and a run into a full store: puts of
+`--full-factor` times what its DRAM holds, timing the eviction and demotion they cause against
+puts into the same store while it had room. Prints GB/s, p50/p99 per batch call and ratios;
+`--json PATH` writes it all.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,19 +38,34 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from client import KVLayout, Scope, StoreClient, build_pages
+from client import (
+    CapacityExhausted,
+    KVLayout,
+    PageHeader,
+    Scope,
+    StoreClient,
+    build_pages,
+    page_keys,
+)
 from client.types import Tier
 from loadtests.daemon import DaemonProcess
+from loadtests.peers import mooncake
 
 SHAPES = {"64KiB": (64, 64 << 10), "1MiB": (64, 1 << 20), "4MiB": (16, 4 << 20)}
+PAGE_TOKENS = 16
+AS_PAID, BARE = "as paid", "bare"
 
 
 @dataclass(frozen=True, slots=True)
 class Timing:
+    """One measured row. `cost` is "as paid" or "bare" for Strata's put/get rows, "" for the
+    baselines, latencies and peers; `gb_per_s` is bytes over the p50 call, or over the total
+    time where `note` says so."""
+
     name: str
     shape: str
     bytes_per_call: int
@@ -42,17 +73,35 @@ class Timing:
     p99_ms: float
     gb_per_s: float
     ratio_to_memcpy: float | None
+    cost: str = ""
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeRatio:
+    """Strata against Mooncake on one row, oriented so that above 1 means Strata is better:
+    throughput over throughput, or Mooncake's p50 time over Strata's. `strata_over_mooncake_ratio`
+    is Strata as an engine pays; `bare_over_mooncake_ratio` without the integrity work."""
+
+    row: str
+    shape: str
+    unit: str  # "GB/s" or "ms"
+    strata: float
+    strata_bare: float | None
+    mooncake: float
+    strata_over_mooncake_ratio: float
+    bare_over_mooncake_ratio: float | None
 
 
 def layout_for(page_bytes: int) -> KVLayout:
     """A float16 layout whose page payload is exactly page_bytes (16 tokens a page)."""
-    per_token = page_bytes // 16  # bytes per token across layers, K and V
+    per_token = page_bytes // PAGE_TOKENS  # bytes per token across layers, K and V
     head_dim = 128
     per_layer = 2 * 2 * head_dim  # K+V, float16
     layers = max(1, min(32, per_token // per_layer))
     heads = per_token // (per_layer * layers)
-    assert layers * heads * per_layer * 16 == page_bytes, page_bytes
-    return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, page_tokens=16)
+    assert layers * heads * per_layer * PAGE_TOKENS == page_bytes, page_bytes
+    return KVLayout(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, page_tokens=PAGE_TOKENS)
 
 
 def scope_for(page_bytes: int, tag: str) -> Scope:
@@ -62,7 +111,24 @@ def scope_for(page_bytes: int, tag: str) -> Scope:
     )
 
 
+def engine_accepts(
+    header: PageHeader | None, scope: Scope, key: bytes, tokens: Sequence[int], payload_bytes: int
+) -> bool:
+    """The check `engine.store_link` makes of every page it pulls before it uses it (kept the
+    same here, so a get as paid does what a pull does): key, scope, KV format, exact tokens."""
+    return (
+        header is not None
+        and header.key == key
+        and header.scope_digest == scope.digest
+        and header.dtype == scope.kv_dtype
+        and header.layout == scope.layout
+        and header.payload_bytes == payload_bytes
+        and header.tokens == tuple(tokens)
+    )
+
+
 def time_calls(fn: Callable[[int], None], iters: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `iters` calls fn(0..iters-1), after fn(-1..-warmup) untimed."""
     for i in range(warmup):
         fn(-1 - i)
     out = []
@@ -73,78 +139,170 @@ def time_calls(fn: Callable[[int], None], iters: int, warmup: int = 1) -> list[f
     return out
 
 
-def summarize(name: str, shape: str, nbytes: int, secs: list[float], memcpy_gbs: float | None) -> Timing:
+def summarize(
+    name: str, shape: str, nbytes: int, secs: list[float], memcpy_gbs: float | None, cost: str = ""
+) -> Timing:
     p50 = statistics.median(secs)
     p99 = sorted(secs)[min(len(secs) - 1, int(len(secs) * 0.99))]
     gbs = nbytes / p50 / 1e9 if nbytes else 0.0
     ratio = gbs / memcpy_gbs if memcpy_gbs and nbytes else None
-    return Timing(name, shape, nbytes, p50 * 1e3, p99 * 1e3, gbs, ratio)
+    return Timing(name, shape, nbytes, p50 * 1e3, p99 * 1e3, gbs, ratio, cost)
 
 
-def bench_shape(
-    paths: list[tuple[str, StoreClient]],
-    shape: str,
-    count: int,
-    page_bytes: int,
-    iters: int,
-    working_set_bytes: int,
-) -> list[Timing]:
-    """memcpy vs same-host vs remote put/get of `count` pages of `page_bytes`, side by side.
+def total_rate(
+    name: str, shape: str, nbytes: int, secs: list[float], base_gbs: float | None, note: str
+) -> Timing:
+    """A row whose GB/s is all bytes over all the time (`nbytes` per call)."""
+    row = summarize(name, shape, nbytes, secs, None)
+    gbs = nbytes * len(secs) / sum(secs) / 1e9
+    return dataclasses.replace(
+        row, gb_per_s=gbs, ratio_to_memcpy=gbs / base_gbs if base_gbs else None, note=note
+    )
 
-    Source and destination buffers rotate over sets whose total is at least `working_set_bytes`
-    (per side), so no timed copy runs from the CPU cache, for memcpy as for the store: KV pages
-    being published or pulled are not cache-hot. A cache-hot memcpy is printed for reference.
-    """
-    scope = scope_for(page_bytes, shape)
-    nbytes = count * page_bytes
-    sets = max(1, -(-working_set_bytes // nbytes))
-    src = [[bytearray(os.urandom(page_bytes)) for _ in range(count)] for _ in range(sets)]
-    dst = [[bytearray(page_bytes) for _ in range(count)] for _ in range(sets)]
-    # distinct pages for every timed call (so each put really stores), with rotating payloads
-    batches = {}
-    for i in range(-2, iters):
-        tokens = [(i * 7919 + t) % 50_000 for t in range(count * 16)]
-        tokens[0] = (i + 3) % 50_000 + 50_000
-        batches[i] = build_pages(scope, tokens, src[i % sets])
 
+class ShapeData:
+    """The bytes of one batch shape: `sets` batches of `count` pages in one source and one
+    destination arena, each at least `working_set_bytes`, so no timed copy runs from the CPU
+    cache (KV pages being published or pulled are not cache-hot). Call i uses set i % sets and
+    tokens of its own, so every put stores fresh pages."""
+
+    def __init__(self, shape: str, count: int, page_bytes: int, working_set_bytes: int) -> None:
+        self.shape, self.count, self.page_bytes = shape, count, page_bytes
+        self.nbytes = count * page_bytes
+        self.sets = max(1, -(-working_set_bytes // self.nbytes))
+        self.src = bytearray(os.urandom(self.sets * self.nbytes))
+        self.dst = bytearray(self.sets * self.nbytes)
+        src, dst = memoryview(self.src), memoryview(self.dst)
+        self._src = [self._pages(src, s) for s in range(self.sets)]
+        self._dst = [self._pages(dst, s) for s in range(self.sets)]
+
+    def _pages(self, arena: memoryview, s: int) -> list[memoryview]:
+        return [arena[self.offset(s, j) : self.offset(s, j) + self.page_bytes] for j in range(self.count)]
+
+    def offset(self, i: int, j: int) -> int:
+        """Where page j of call i lies in either arena."""
+        return (i % self.sets) * self.nbytes + j * self.page_bytes
+
+    def src_pages(self, i: int) -> list[memoryview]:
+        return self._src[i % self.sets]
+
+    def dst_pages(self, i: int) -> list[memoryview]:
+        return self._dst[i % self.sets]
+
+    def tokens(self, i: int) -> list[int]:
+        out = [(i * 7919 + t) % 50_000 for t in range(self.count * PAGE_TOKENS)]
+        out[0] = (i + 3) % 50_000 + 50_000
+        return out
+
+    def same(self, i: int) -> bool:
+        """The destination of call i holds the source bytes of call i."""
+        a = self.offset(i, 0)
+        return self.dst[a : a + self.nbytes] == self.src[a : a + self.nbytes]
+
+    def clear_dst(self, i: int) -> None:
+        a = self.offset(i, 0)
+        self.dst[a : a + self.nbytes] = bytes(self.nbytes)
+
+
+def bench_memcpy(data: ShapeData, iters: int) -> list[Timing]:
     def memcpy(i: int) -> None:
-        for s, d in zip(src[i % sets], dst[i % sets], strict=True):
-            memoryview(d)[:] = s
+        for s, d in zip(data.src_pages(i), data.dst_pages(i), strict=True):
+            d[:] = s
 
     def memcpy_hot(_: int) -> None:
-        for s, d in zip(src[0], dst[0], strict=True):
-            memoryview(d)[:] = s
+        for s, d in zip(data.src_pages(0), data.dst_pages(0), strict=True):
+            d[:] = s
 
-    results: list[Timing] = []
-    memcpy_t = summarize("memcpy", shape, nbytes, time_calls(memcpy, iters), None)
-    results.append(memcpy_t)
-    results.append(summarize("memcpy (cache-hot, reference)", shape, nbytes, time_calls(memcpy_hot, iters), None))
-    base = memcpy_t.gb_per_s
-    for label, client in paths:
-        def put(i: int, client: StoreClient = client) -> None:
-            client.put(scope, batches[i])
-
-        put_t = time_calls(put, iters, warmup=2)
-        results.append(summarize(f"{label} put", shape, nbytes, put_t, base))
-
-        def get(i: int, client: StoreClient = client) -> None:
-            batch = batches[i % iters] if i >= 0 else batches[i]
-            keys = [p.header.key for p in batch]
-            got = client.get(scope, keys, dst[i % sets])
-            if got.hit_count != len(keys):
-                raise RuntimeError(f"get found {got.hit_count} of {len(keys)} pages")
-
-        results.append(summarize(f"{label} get", shape, nbytes, time_calls(get, iters), base))
-        if dst[(iters - 1) % sets][0] != src[(iters - 1) % sets][0]:
-            raise RuntimeError(f"{label} get returned wrong bytes")
-        client.delete(scope=scope)
-    return results
+    return [
+        summarize("memcpy", data.shape, data.nbytes, time_calls(memcpy, iters), None),
+        summarize(
+            "memcpy (cache-hot, reference)", data.shape, data.nbytes,
+            time_calls(memcpy_hot, iters), None,
+        ),
+    ]
 
 
-def bench_lookup(client: StoreClient, iters: int) -> list[Timing]:
+def bench_strata_path(
+    label: str, client: StoreClient, data: ShapeData, iters: int, base: float
+) -> list[Timing]:
+    """Put and get as paid and bare on one path (see the module docstring)."""
+    paid_scope = scope_for(data.page_bytes, f"{data.shape}-paid")
+    bare_scope = scope_for(data.page_bytes, f"{data.shape}-bare")
+    calls = range(-2, iters)
+    tokens = {i: data.tokens(i) for i in calls}
+    paid_keys = {i: page_keys(paid_scope, tokens[i]) for i in calls}
+    bare_pages = {i: build_pages(bare_scope, tokens[i], data.src_pages(i)) for i in calls}
+    shape, n = data.shape, data.nbytes
+
+    def put_paid(i: int) -> None:
+        pages = build_pages(paid_scope, tokens[i], data.src_pages(i))
+        if client.put(paid_scope, pages).stored != data.count:
+            raise RuntimeError(f"{label} put stored fewer than {data.count} fresh pages")
+
+    def put_bare(i: int) -> None:
+        if client.put(bare_scope, bare_pages[i]).stored != data.count:
+            raise RuntimeError(f"{label} put stored fewer than {data.count} fresh pages")
+
+    def get_paid(i: int) -> None:
+        keys = paid_keys[i]
+        got = client.get(paid_scope, keys, data.dst_pages(i), verify=True)
+        for j, header in enumerate(got.headers):
+            page_tokens = tokens[i][j * PAGE_TOKENS : (j + 1) * PAGE_TOKENS]
+            if not engine_accepts(header, paid_scope, keys[j], page_tokens, data.page_bytes):
+                raise RuntimeError(f"{label} get: page {j} missing or not the one asked for")
+
+    def get_bare(i: int) -> None:
+        got = client.get(paid_scope, paid_keys[i], data.dst_pages(i), verify=False)
+        if got.hit_count != data.count:
+            raise RuntimeError(f"{label} get found {got.hit_count} of {data.count} pages")
+
+    rows = [summarize(f"{label} put", shape, n, time_calls(put_paid, iters, 2), base, AS_PAID)]
+    rows.append(summarize(f"{label} get", shape, n, time_calls(get_paid, iters), base, AS_PAID))
+    last = iters - 1
+    if not data.same(last):
+        raise RuntimeError(f"{label} get returned wrong bytes")
+    data.clear_dst(last)
+    rows.append(summarize(f"{label} get", shape, n, time_calls(get_bare, iters), base, BARE))
+    if not data.same(last):
+        raise RuntimeError(f"{label} bare get returned wrong bytes")
+    client.delete(scope=paid_scope)
+    rows.insert(1, summarize(f"{label} put", shape, n, time_calls(put_bare, iters, 2), base, BARE))
+    client.delete(scope=bare_scope)
+    return rows
+
+
+def bench_mooncake_path(
+    label: str, peer: mooncake.MooncakeClient, data: ShapeData, iters: int, base: float
+) -> list[Timing]:
+    """Mooncake's zero-copy batch put and get of the same pages from the same buffers."""
+    src, dst = peer.register(data.src), peer.register(data.dst)
+    calls = range(-2, iters)
+    keys = {i: [f"{data.shape}-{i}-{j}" for j in range(data.count)] for i in calls}
+    src_at = {i: [src + data.offset(i, j) for j in range(data.count)] for i in calls}
+    dst_at = {i: [dst + data.offset(i, j) for j in range(data.count)] for i in calls}
+    sizes = [data.page_bytes] * data.count
+    try:
+        put = summarize(
+            f"{label} put", data.shape, data.nbytes,
+            time_calls(lambda i: peer.put(keys[i], src_at[i], sizes), iters, 2), base,
+        )
+        data.clear_dst(iters - 1)
+        get = summarize(
+            f"{label} get", data.shape, data.nbytes,
+            time_calls(lambda i: peer.get(keys[i], dst_at[i], sizes), iters), base,
+        )
+        if not data.same(iters - 1):
+            raise mooncake.PeerFailed(f"{label} get returned wrong bytes")
+    finally:
+        peer.clear()
+        peer.unregister_all()
+    return [put, get]
+
+
+def bench_lookup(label: str, client: StoreClient, iters: int) -> list[Timing]:
     scope = scope_for(64 << 10, "lookup")
     payload = [bytearray(64 << 10)] * 512
-    tokens = list(range(512 * 16))
+    tokens = list(range(512 * PAGE_TOKENS))
     pages = build_pages(scope, tokens, payload)
     for start in range(0, 512, 64):
         client.put(scope, pages[start : start + 64])
@@ -166,11 +324,47 @@ def bench_lookup(client: StoreClient, iters: int) -> list[Timing]:
             raise RuntimeError("get of a missing key hit")
 
     out = [
-        summarize("lookup 512 hit", "512 keys", 0, time_calls(hit, iters, 5), None),
-        summarize("lookup 512 miss", "512 keys", 0, time_calls(miss, iters, 5), None),
-        summarize("get miss", "1 key", 0, time_calls(get_miss, iters, 5), None),
+        summarize(f"{label} lookup 512 hit", "512 keys", 0, time_calls(hit, iters, 5), None),
+        summarize(f"{label} lookup 512 miss", "512 keys", 0, time_calls(miss, iters, 5), None),
+        summarize(f"{label} get miss", "1 key", 0, time_calls(get_miss, iters, 5), None),
     ]
     client.delete(scope=scope)
+    return out
+
+
+def bench_mooncake_lookup(label: str, peer: mooncake.MooncakeClient, iters: int) -> list[Timing]:
+    """Mooncake's `batch_is_exist` of 512 keys (all present; first missing), a missing get."""
+    arena = bytearray(512 * (64 << 10))
+    base = peer.register(arena)
+    keys = [f"lookup-{j}" for j in range(512)]
+    try:
+        for start in range(0, 512, 64):
+            peer.put(
+                keys[start : start + 64],
+                [base + j * (64 << 10) for j in range(start, start + 64)],
+                [64 << 10] * 64,
+            )
+        miss_keys = ["lookup-missing", *keys[1:]]
+
+        def hit(_: int) -> None:
+            if peer.present(keys) != 512:
+                raise mooncake.PeerFailed("batch_is_exist missed a stored key")
+
+        def miss(_: int) -> None:
+            if peer.present(miss_keys) != 0:
+                raise mooncake.PeerFailed("batch_is_exist found a missing key")
+
+        out = [
+            summarize(f"{label} lookup 512 hit", "512 keys", 0, time_calls(hit, iters, 5), None),
+            summarize(f"{label} lookup 512 miss", "512 keys", 0, time_calls(miss, iters, 5), None),
+            summarize(
+                f"{label} get miss", "1 key", 0,
+                time_calls(lambda _: peer.get_missing("missing", base, 64 << 10), iters, 5), None,
+            ),
+        ]
+    finally:
+        peer.clear()
+        peer.unregister_all()
     return out
 
 
@@ -184,8 +378,8 @@ def drop_page_cache() -> bool:
         return False
 
 
-def fio_randread_gbs(folder: Path, size_mib: int) -> float | None:
-    """What `fio` reads at random in 1 MiB blocks, direct, one job at a time: a file of
+def fio_randread(folder: Path, size_mib: int) -> tuple[int, float] | None:
+    """(bytes, seconds) `fio` reads at random in 1 MiB blocks, direct, one job: a file of
     `size_mib` freshly written, each block read once after the page cache is dropped, as the
     store's SSD test reads its pages (a time-based run re-reads the same blocks for seconds,
     which a host-side cache under a virtual disk then serves)."""
@@ -205,43 +399,108 @@ def fio_randread_gbs(folder: Path, size_mib: int) -> float | None:
     except (subprocess.SubprocessError, OSError):
         return None
     job = json.loads(out.stdout)["jobs"][0]["read"]
-    return float(job["bw_bytes"]) / 1e9
+    return int(job["io_bytes"]), float(job["runtime"]) / 1e3
 
 
 def bench_ssd(remote: StoreClient, shm: StoreClient, folder: Path, pages: int) -> list[Timing]:
-    """Store gets of SSD pages (16 a call, in random order, page cache dropped) against `fio`
-    random 1 MiB reads, interleaved in rounds: this virtual disk's speed changes by 2x from one
-    minute to the next, so each round measures both on the same disk."""
+    """Same-host gets as paid (verified, headers checked) of SSD pages, 16 a call in random
+    order, page cache dropped, against `fio` random 1 MiB reads, interleaved in rounds (this
+    virtual disk's speed changes by 2x from one minute to the next, so each round measures both
+    on the same disk). Both rates are total bytes over total time."""
     scope = scope_for(1 << 20, "ssd")
     src = [bytearray(os.urandom(1 << 20)) for _ in range(pages)]
-    batch = build_pages(scope, list(range(pages * 16)), src)
+    tokens = list(range(pages * PAGE_TOKENS))
+    batch = build_pages(scope, tokens, src)
     remote.put(scope, batch, tier=Tier.SSD)
-    keys = [p.header.key for p in batch]
-    random.Random(7).shuffle(keys)
+    order = list(range(pages))
+    random.Random(7).shuffle(order)
     dst = [bytearray(1 << 20) for _ in range(16)]
     rounds = max(1, min(4, pages // 64))
-    per_round = len(keys) // rounds // 16 * 16
+    per_round = pages // rounds // 16 * 16
     secs: list[float] = []
-    fio_secs: list[float] = []  # seconds per MiB, each round
+    fio_bytes, fio_secs = 0, 0.0
     dropped = True
     for r in range(rounds):
-        fio = fio_randread_gbs(folder, per_round)
+        fio = fio_randread(folder, per_round)
         if fio is not None:
-            fio_secs.append((1 << 20) / (fio * 1e9))
+            fio_bytes, fio_secs = fio_bytes + fio[0], fio_secs + fio[1]
         dropped = drop_page_cache() and dropped
         for start in range(r * per_round, (r + 1) * per_round, 16):
+            chosen = order[start : start + 16]
+            keys = [batch[p].header.key for p in chosen]
             t0 = time.perf_counter()
-            got = shm.get(scope, keys[start : start + 16], dst)
+            got = shm.get(scope, keys, dst, verify=True)
+            for header, p in zip(got.headers, chosen, strict=True):
+                page_tokens = tokens[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS]
+                if not engine_accepts(header, scope, batch[p].header.key, page_tokens, 1 << 20):
+                    raise RuntimeError("SSD get missed or served another page")
             secs.append(time.perf_counter() - t0)
-            if got.hit_count != 16:
-                raise RuntimeError("SSD get missed")
-    fio_gbs = (1 << 20) / (statistics.mean(fio_secs) * 1e9) if fio_secs else None
+    fio_gbs = fio_bytes / fio_secs / 1e9 if fio_secs else None
     note = "page cache dropped" if dropped else "page cache NOT dropped (not allowed here)"
-    out = [summarize(f"ssd get ({note})", "16 x 1MiB", 16 << 20, secs, fio_gbs)]
+    out = [
+        total_rate(
+            "same-host get from SSD", "16 x 1MiB", 16 << 20, secs, fio_gbs,
+            f"total bytes / total time, {note}; ratio is to fio",
+        )
+    ]
+    out[0] = dataclasses.replace(out[0], cost=AS_PAID)
     if fio_gbs is not None:
-        out.append(Timing(f"fio randread 1MiB ({rounds} rounds)", "direct", 0, 0.0, 0.0, fio_gbs, None))
+        out.append(
+            Timing(
+                f"fio randread 1MiB ({rounds} rounds)", "direct", 0, 0.0, 0.0, fio_gbs, None,
+                note="total bytes / total time",
+            )
+        )
     remote.delete(scope=scope)
     return out
+
+
+def bench_full_store(folder: Path, dram_mib: int, factor: int, shape: str, working_set_mib: int) -> list[Timing]:
+    """Same-host puts as paid of `factor` times what the DRAM tier holds, into a daemon of its
+    own (SSD twice as large as all of it): the puts made while DRAM had room against those made
+    once it was full, where every reservation first evicts (demotes to SSD). Total bytes over
+    total time, both; the note counts the demotions and any pages refused."""
+    count, page_bytes = SHAPES[shape]
+    data = ShapeData(shape, count, page_bytes, min(working_set_mib << 20, (dram_mib << 20) // 2))
+    dram_bytes = dram_mib << 20
+    calls = max(4, factor * dram_bytes // data.nbytes)
+    scope = scope_for(page_bytes, "full")
+    room: list[float] = []
+    full: list[float] = []
+    refused = 0
+    ssd = f"{2 * factor * dram_mib}MiB"
+    with DaemonProcess(folder, dram=f"{dram_mib}MiB", ssd=ssd) as daemon:
+        client = StoreClient(daemon.address, shared_memory=True, ucx=False, timeout_s=60)
+        try:
+            before = client.stats()
+            for c in range(calls):
+                t0 = time.perf_counter()
+                try:
+                    client.put(scope, build_pages(scope, data.tokens(c), data.src_pages(c)))
+                except CapacityExhausted:
+                    refused += data.count
+                dt = time.perf_counter() - t0
+                put_before = c * data.nbytes
+                if put_before + data.nbytes <= dram_bytes // 2:
+                    room.append(dt)
+                elif put_before >= dram_bytes:
+                    full.append(dt)
+            after = client.stats()
+        finally:
+            client.close()
+    if not room or not full:
+        raise RuntimeError("the full-store run needs puts both into room and into a full DRAM")
+    demoted = after.demotions - before.demotions
+    into_room = total_rate(
+        "same-host put into room", data.shape, data.nbytes, room, None,
+        f"total bytes / total time, DRAM {dram_mib} MiB less than half full",
+    )
+    into_full = total_rate(
+        "same-host put into a full store", data.shape, data.nbytes, full, into_room.gb_per_s,
+        f"total bytes / total time, DRAM full: {demoted} pages demoted to SSD, {refused} refused; "
+        "ratio is to the puts into room",
+    )
+    return [dataclasses.replace(into_room, cost=AS_PAID), dataclasses.replace(into_full, cost=AS_PAID)]
 
 
 def bench_ucx(folder: Path, ns: argparse.Namespace) -> list[Timing]:
@@ -258,30 +517,107 @@ def bench_ucx(folder: Path, ns: argparse.Namespace) -> list[Timing]:
             for shape in ns.shapes.split(","):
                 count, page_bytes = SHAPES[shape]
                 print(f"  UCX: {count} x {shape} pages ...", flush=True)
-                part = bench_shape(
-                    [("remote UCX", client)], shape, count, page_bytes, ns.iters,
-                    ns.working_set_mib << 20,
-                )
-                rows += [
-                    dataclasses.replace(r, name=f"{r.name} [UCX run]")
-                    if r.name.startswith("memcpy") else r
-                    for r in part
-                ]
+                data = ShapeData(shape, count, page_bytes, ns.working_set_mib << 20)
+                base = bench_memcpy(data, ns.iters)
+                rows += [dataclasses.replace(r, name=f"{r.name} [UCX run]") for r in base]
+                rows += bench_strata_path("remote UCX", client, data, ns.iters, base[0].gb_per_s)
         finally:
             client.close()
     return rows
 
 
-def print_table(rows: list[Timing]) -> None:
-    print(f"{'operation':<44} {'batch':<10} {'p50 ms':>9} {'p99 ms':>9} {'GB/s':>7} {'xmemcpy':>8}")
+# Strata's row against Mooncake's: (comparison, Strata row, Mooncake row).
+_THROUGHPUT_PAIRS = (
+    ("same-host put", "same-host put", "mooncake same-host put"),
+    ("same-host get", "same-host get", "mooncake same-host get"),
+    ("remote put", "remote TCP put", "mooncake remote put"),
+    ("remote get", "remote TCP get", "mooncake remote get"),
+)
+_LATENCY_PAIRS = (
+    ("same-host missing get p50", "same-host get miss", "mooncake same-host get miss"),
+    ("remote missing get p50", "remote TCP get miss", "mooncake remote get miss"),
+    ("same-host lookup 512 p50", "same-host lookup 512 hit", "mooncake same-host lookup 512 hit"),
+    ("remote lookup 512 p50", "remote TCP lookup 512 hit", "mooncake remote lookup 512 hit"),
+)
+
+
+def mooncake_ratios(rows: Sequence[Timing]) -> list[MooncakeRatio]:
+    """Every Strata/Mooncake pair measured in `rows`, above 1 meaning Strata is better."""
+    def find(name: str, shape: str, cost: str) -> Timing | None:
+        return next((r for r in rows if (r.name, r.shape, r.cost) == (name, shape, cost)), None)
+
+    out: list[MooncakeRatio] = []
+    for shape in SHAPES:
+        for what, ours, theirs in _THROUGHPUT_PAIRS:
+            paid, bare, peer = find(ours, shape, AS_PAID), find(ours, shape, BARE), find(theirs, shape, "")
+            if paid is None or peer is None or not peer.gb_per_s:
+                continue
+            out.append(
+                MooncakeRatio(
+                    what, shape, "GB/s", paid.gb_per_s, bare.gb_per_s if bare else None,
+                    peer.gb_per_s, paid.gb_per_s / peer.gb_per_s,
+                    bare.gb_per_s / peer.gb_per_s if bare else None,
+                )
+            )
+    for what, ours, theirs in _LATENCY_PAIRS:
+        mine = next((r for r in rows if r.name == ours), None)
+        peer = next((r for r in rows if r.name == theirs), None)
+        if mine is not None and peer is not None and mine.p50_ms:
+            out.append(
+                MooncakeRatio(
+                    what, mine.shape, "ms", mine.p50_ms, None, peer.p50_ms,
+                    peer.p50_ms / mine.p50_ms, None,
+                )
+            )
+    return out
+
+
+def print_table(rows: Sequence[Timing]) -> None:
+    print(f"{'operation':<44} {'cost':<8} {'batch':<10} {'p50 ms':>9} {'p99 ms':>9} {'GB/s':>7} {'ratio':>6}")
     for r in rows:
         ratio = f"{r.ratio_to_memcpy:.2f}" if r.ratio_to_memcpy is not None else ""
         gbs = f"{r.gb_per_s:.2f}" if r.gb_per_s else ""
-        print(f"{r.name:<44} {r.shape:<10} {r.p50_ms:>9.3f} {r.p99_ms:>9.3f} {gbs:>7} {ratio:>8}")
+        print(f"{r.name:<44} {r.cost:<8} {r.shape:<10} {r.p50_ms:>9.3f} {r.p99_ms:>9.3f} {gbs:>7} {ratio:>6}")
+        if r.note:
+            print(f"{'':<6}({r.note})")
+    print("ratio: to memcpy of the same bytes in the same run, unless the note says otherwise")
+
+
+def print_ratios(ratios: Sequence[MooncakeRatio]) -> None:
+    print(f"\n{'Strata / Mooncake (above 1: Strata better)':<44} {'batch':<10} "
+          f"{'Strata':>9} {'bare':>9} {'Mooncake':>9} {'as paid':>8} {'bare':>6}")
+    for m in ratios:
+        bare = f"{m.strata_bare:.3f}" if m.strata_bare is not None else ""
+        bare_ratio = f"{m.bare_over_mooncake_ratio:.2f}" if m.bare_over_mooncake_ratio is not None else ""
+        print(f"{m.row + ' (' + m.unit + ')':<44} {m.shape:<10} {m.strata:>9.3f} {bare:>9} "
+              f"{m.mooncake:>9.3f} {m.strata_over_mooncake_ratio:>8.2f} {bare_ratio:>6}")
+
+
+@contextlib.contextmanager
+def mooncake_peers(folder: Path, segment_bytes: int) -> Iterator[tuple[mooncake.MooncakeClient, mooncake.MooncakeClient]]:
+    """Mooncake's master and storage process on loopback, and two clients here: one with its
+    storage in this process (same-host), one without (remote, over Mooncake's TCP transport).
+    Mooncake's native log goes to `folder`/mooncake-native.log meanwhile."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (
+        mooncake.native_log_to(folder / "mooncake-native.log"),
+        mooncake.MooncakeMaster(folder) as master,
+        mooncake.MooncakeHolder(master.address, segment_bytes, folder / "mooncake-holder.log"),
+    ):
+        local = mooncake.MooncakeClient(master.address, segment_bytes)
+        try:
+            remote = mooncake.MooncakeClient(master.address, 0)
+            try:
+                yield local, remote
+            finally:
+                remote.close()
+        finally:
+            local.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="strata bench store", description=__doc__)
+    p = argparse.ArgumentParser(prog="strata bench store", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=15, help="timed calls per measurement")
     p.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
     p.add_argument("--ssd-pages", type=int, default=128, help="1 MiB pages for the SSD read test (0 = skip)")
@@ -289,17 +625,41 @@ def main(argv: list[str] | None = None) -> int:
         "--working-set-mib", type=int, default=256,
         help="buffers rotate over at least this much memory per side, beyond the CPU cache",
     )
+    p.add_argument("--dram", default="2GiB", help="the main daemon's DRAM tier")
+    p.add_argument(
+        "--full-dram-mib", type=int, default=512,
+        help="DRAM of the full-store run's daemon (0 = skip that run)",
+    )
+    p.add_argument("--full-factor", type=int, default=3, help="the full-store run puts this many times its DRAM")
+    p.add_argument("--full-shape", default="1MiB", choices=list(SHAPES), help="pages of the full-store run")
     p.add_argument(
         "--no-ucx", dest="ucx", action="store_false",
         help="skip the remote UCX rows (measured on a second daemon with its UCX listener on)",
     )
+    p.add_argument(
+        "--against", choices=[mooncake.NAME], action="append", default=[],
+        help="also run the same batches through this store in the same run and print ratios",
+    )
     p.add_argument("--dir", type=Path, help="daemon state folder (default: a temporary one)")
     p.add_argument("--json", type=Path, help="write the results here")
     ns = p.parse_args(argv)
+    shapes = ns.shapes.split(",")
+    if unknown := [s for s in shapes if s not in SHAPES]:
+        p.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
     folder = ns.dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
+    peer_status = {"asked": bool(ns.against), "measured": False, "note": ""}
+    if ns.against:
+        reason = mooncake.missing_reason()
+        if reason is not None:
+            peer_status["note"] = reason
+            print(f"strata bench store: {reason}\n  Comparing with memcpy alone.", flush=True)
+    use_mooncake = bool(ns.against) and not peer_status["note"]
     rows: list[Timing] = []
     print(f"strata bench store: daemon in its own process, state in {folder}", flush=True)
-    with DaemonProcess(folder, dram="2GiB", ssd="2GiB") as daemon:
+    largest = max(SHAPES[s][0] * SHAPES[s][1] for s in shapes)
+    segment_bytes = max(64 << 20, (ns.iters + 3) * largest * 5 // 4)
+    with contextlib.ExitStack() as stack:
+        daemon = stack.enter_context(DaemonProcess(folder, dram=ns.dram, ssd="2GiB"))
         shm = StoreClient(daemon.address, shared_memory=True, ucx=False, timeout_s=60)
         grpc_client = StoreClient(
             daemon.address, shared_memory=False, ucx=False, tcp=False, timeout_s=60
@@ -308,27 +668,56 @@ def main(argv: list[str] | None = None) -> int:
             daemon.address, shared_memory=False, ucx=False, tcp=True, timeout_s=60
         )
         paths = [("same-host", shm), ("remote TCP", tcp_client), ("remote gRPC", grpc_client)]
-        try:
-            for shape in ns.shapes.split(","):
-                count, page_bytes = SHAPES[shape]
-                print(f"  {count} x {shape} pages ...", flush=True)
-                rows += bench_shape(
-                    paths, shape, count, page_bytes, ns.iters, ns.working_set_mib << 20
-                )
-            print("  lookups ...", flush=True)
-            rows += bench_lookup(shm, max(ns.iters, 50))
-            if ns.ssd_pages:
-                print("  SSD tier ...", flush=True)
-                rows += bench_ssd(grpc_client, shm, folder, ns.ssd_pages)
-        finally:
-            for _, client in paths:
-                client.close()
+        for _, client in paths:
+            stack.callback(client.close)
+        peers: list[tuple[str, mooncake.MooncakeClient]] = []
+        if use_mooncake:
+            print("  starting Mooncake (master and storage process on loopback) ...", flush=True)
+            local, remote = stack.enter_context(mooncake_peers(folder / "mooncake", segment_bytes))
+            peers = [("mooncake same-host", local), ("mooncake remote", remote)]
+        for shape in shapes:
+            count, page_bytes = SHAPES[shape]
+            print(f"  {count} x {shape} pages ...", flush=True)
+            data = ShapeData(shape, count, page_bytes, ns.working_set_mib << 20)
+            base = bench_memcpy(data, ns.iters)
+            rows += base
+            for label, client in paths:
+                rows += bench_strata_path(label, client, data, ns.iters, base[0].gb_per_s)
+            for label, peer in peers:
+                rows += bench_mooncake_path(label, peer, data, ns.iters, base[0].gb_per_s)
+            del data
+        print("  lookups ...", flush=True)
+        lookup_iters = max(ns.iters, 50)
+        rows += bench_lookup("same-host", shm, lookup_iters)
+        rows += bench_lookup("remote TCP", tcp_client, lookup_iters)
+        for label, peer in peers:
+            rows += bench_mooncake_lookup(label, peer, lookup_iters)
+        peer_status["measured"] = bool(peers)
+        if ns.ssd_pages:
+            print("  SSD tier ...", flush=True)
+            rows += bench_ssd(grpc_client, shm, folder, ns.ssd_pages)
+    if ns.full_dram_mib:
+        print("  a full store ...", flush=True)
+        rows += bench_full_store(
+            folder / "full", ns.full_dram_mib, ns.full_factor, ns.full_shape, ns.working_set_mib
+        )
     if ns.ucx:
         rows += bench_ucx(folder / "ucx", ns)
+    ratios = mooncake_ratios(rows)
     print()
     print_table(rows)
+    if ratios:
+        print_ratios(ratios)
+    elif ns.against:
+        print(f"\nno Mooncake rows: {peer_status['note']}")
     if ns.json:
-        ns.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        report = {
+            "command": ["strata", "bench", "store", *(argv if argv is not None else sys.argv[1:])],
+            "rows": [asdict(r) for r in rows],
+            "mooncake": peer_status,
+            "mooncake_ratios": [asdict(m) for m in ratios],
+        }
+        ns.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {ns.json}")
     if ns.dir is None:
         shutil.rmtree(folder, ignore_errors=True)
