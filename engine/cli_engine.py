@@ -26,7 +26,13 @@ from engine.worker_config import DEFAULT_PORTS, ROLES, WorkerConfig, load_worker
 def build_parser(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"strata {role}", description=f"Run a {role} worker.")
     p.add_argument("--model", help="checkpoint folder (config.json, *.safetensors, tokenizer.json)")
-    p.add_argument("--store", help="store daemon address, e.g. 127.0.0.1:7700 (none: no store)")
+    p.add_argument(
+        "--store",
+        help="store: a daemon HOST:PORT, several (comma-separated), or etcd://HOST:2379/CLUSTER",
+    )
+    p.add_argument("--etcd", help="etcd endpoints to register this worker in (for the router)")
+    p.add_argument("--cluster", help="cluster name of the etcd registration (default)")
+    p.add_argument("--advertise", help="address the router reaches this worker at")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument(
         "--port", type=int, help=f"gRPC port (default {DEFAULT_PORTS[role]}; 0 = any free port)"

@@ -26,6 +26,7 @@ from engine.colocated import ColocatedWorker
 from engine.decode import DecodeWorker
 from engine.errors import EngineBusy, EngineStopping, InvalidRequest
 from engine.prefill import PrefillWorker
+from engine.router.membership import WorkerRegistration, encode_record
 from engine.runtime import ModelRuntime
 from engine.store_link import PageStore
 from engine.store_spec import parse_store
@@ -310,6 +311,7 @@ class EngineServer:
         self.port = 0
         self._stopped = threading.Event()
         self._accepting = False
+        self._registration: WorkerRegistration | None = None
 
     @property
     def address(self) -> str:
@@ -342,6 +344,13 @@ class EngineServer:
             health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._accepting = True
         log.info("%s worker listening at %s", self.config.role, self.address)
+        if self.config.etcd:
+            advertise = self.config.advertise or self.address
+            record = encode_record(advertise, self.config.role, self.runtime.checkpoint.model_id)
+            self._registration = WorkerRegistration(
+                self.config.etcd, self.config.cluster, advertise, record
+            )
+            self._registration.start()
         return self.address
 
     @property
@@ -361,6 +370,8 @@ class EngineServer:
             return True
         self._stopped.set()
         grace = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        if self._registration is not None:
+            self._registration.stop()  # routers stop sending here first
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         done = self.server.stop(grace) if self.server is not None else None

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.store_spec import parse_store
+
 ROLES = ("prefill", "decode", "colocated")
 DEFAULT_PORTS = {"prefill": 7710, "decode": 7720, "colocated": 7730}
 ENV_PREFIX = "STRATA_ENGINE_"
@@ -38,6 +40,9 @@ class WorkerConfig:
     publish_timeout_s: float = 5.0  # prefill: how long an answer waits for its pages' puts
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight work may take
     rpc_threads: int = 64
+    etcd: str = ""  # etcd endpoints to register in, for routers that watch them ("" = none)
+    cluster: str = "default"  # the cluster name the registration goes under
+    advertise: str = ""  # the address routers reach this worker at (default host:port)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -53,6 +58,8 @@ class WorkerConfig:
         for name in ("max_context", "kv_capacity_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.store:
+            parse_store(self.store)  # ValueError for a malformed store string
         for name in ("store_timeout_s", "publish_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
