@@ -95,6 +95,11 @@ def batch_at(worker: WorkerView, model: TimeModel, now: float, at_s: float) -> t
     running = worker.running_requests
     context = worker.running_context_tokens
     step = model.decode_step_s(max(running, 1), context)
+    # joins stay for their max_tokens at the step of the fullest batch they could see
+    join_step = model.decode_step_s(
+        running + len(worker.pending_joins),
+        context + sum(j.context_tokens for j in worker.pending_joins),
+    )
     if worker.running_remaining_tokens and running > 0 and step > 0:
         elapsed = at_s - (now - worker.report_age_s)
         staying = sum(1 for r in worker.running_remaining_tokens if r * step > elapsed)
@@ -102,7 +107,7 @@ def batch_at(worker: WorkerView, model: TimeModel, now: float, at_s: float) -> t
         context = context * staying // running
         running = staying
     for join in worker.pending_joins:
-        if join.join_at_s <= at_s and join.join_at_s + join.max_tokens * step > at_s:
+        if join.join_at_s <= at_s and join.join_at_s + join.max_tokens * join_step > at_s:
             running += 1
             context += join.context_tokens
     return running, context

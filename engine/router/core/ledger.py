@@ -4,8 +4,9 @@ Workers report their load every so often, so a burst decided between two reports
 on the worker that looked idle in the last one. The ledger remembers each dispatch and adds to
 each worker's view what its report cannot show yet:
 
-- on the prefill worker, a dispatch whose prefill has not finished and that was decided after the
-  report was taken (`now - report_age_s`): its tokens to compute join the queue;
+- on the prefill worker, a dispatch whose prefill has not finished and that was decided at or
+  after the moment the report was taken (`now - report_age_s`): its tokens to compute join the
+  queue;
 - on the decode worker, a dispatch that joins (or joined) the batch after the report was taken: a
   `PendingJoin` at its predicted join time (the end of its predicted TTFT), or at the real one
   once `on_prefill_done` says so.
@@ -117,11 +118,11 @@ class DispatchLedger:
                 if (
                     entry.prefill_id == worker.worker_id
                     and not entry.prefill_done
-                    and entry.dispatched_at_s > seen_until
+                    and entry.dispatched_at_s >= seen_until
                 ):
                     tokens += entry.prefill_tokens
                     requests += 1
-                if entry.decode_id == worker.worker_id and entry.join_at_s > seen_until:
+                if entry.decode_id == worker.worker_id and entry.join_at_s >= seen_until:
                     joins.append(
                         PendingJoin(
                             entry.request_id,

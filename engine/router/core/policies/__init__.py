@@ -16,6 +16,9 @@ def build_policy(name: str = DEFAULT_POLICY, **options: float) -> Policy:
     """A fresh policy object by name; `options` go to the policy (only `strata` takes any:
     `decode_weight`, `tie_tolerance`). Raises ValueError for an unknown name or option."""
     if name == "strata":
+        unknown = sorted(set(options) - {"decode_weight", "tie_tolerance"})
+        if unknown:
+            raise ValueError(f"policy 'strata' has no option {', '.join(unknown)}")
         return Strata(**options)
     if options:
         raise ValueError(f"policy {name!r} takes no options (got {', '.join(sorted(options))})")
