@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv in the repo root with Strata and every extra (dev, engine, loadtest, gpu, ucx).
+# Set up .venv in the repo root with Strata and every extra (dev, engine, loadtest, router, gpu,
+# ucx, peers).
 #
 # Idempotent: the pip work runs only when .venv/.strata-stamp does not hold the sha256 of
 # pyproject.toml, so a second run returns at once and an edited pyproject reinstalls.
@@ -47,7 +48,8 @@ pip=("$VENV/bin/python" -m pip install -q)
 # torch first, pinned: a CPU build that lies on this machine's disk. Unpinned, the engine extra
 # would pull a multi-GB CUDA build.
 "${pip[@]}" "torch==2.13.0" || die "pip could not install torch==2.13.0"
-"${pip[@]}" -e "$ROOT[dev,engine,loadtest,router,gpu,ucx]" || die "pip could not install Strata ($ROOT)"
+# peers: Mooncake Store's PyPI build, for `strata bench store --against mooncake` and its tests.
+"${pip[@]}" -e "$ROOT[dev,engine,loadtest,router,gpu,ucx,peers]" || die "pip could not install Strata ($ROOT)"
 
 echo "$want" >"$STAMP.tmp"
 mv "$STAMP.tmp" "$STAMP"
