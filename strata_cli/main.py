@@ -21,6 +21,8 @@ commands:
   prefill            run a prefill worker (--model PATH --store ADDR [--port N])
   decode             run a decode worker (--model PATH --store ADDR [--port N])
   colocated          run a co-located prefill+decode worker (--model PATH [--store ADDR])
+  up                 store + router + prefill and decode workers on the small preset, one command
+  router             the OpenAI-compatible router alone (--workers ADDR,... or --etcd HOST)
 
 `strata <command> --help` shows each command's options.
 """
@@ -65,6 +67,18 @@ def _model(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _up(argv: Sequence[str]) -> int:
+    from engine.router.up import main
+
+    return main(argv)
+
+
+def _router(argv: Sequence[str]) -> int:
+    from engine.router.cli import main
+
+    return main(argv)
+
+
 def _worker(role: str) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:
         from engine.cli_engine import main
@@ -81,6 +95,8 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "prefill": _worker("prefill"),
     "decode": _worker("decode"),
     "colocated": _worker("colocated"),
+    "up": _up,
+    "router": _router,
 }
 
 
