@@ -107,25 +107,28 @@ def test_mooncake_driver_moves_the_right_bytes_same_host_and_remote(tmp_path: Pa
     page = 64 << 10
     src = bytearray(os.urandom(4 * page))
     keys = [f"page-{j}" for j in range(4)]
-    with mooncake.native_log_to(tmp_path / "native.log"), mooncake.MooncakeMaster(tmp_path) as master:
-        with mooncake.MooncakeHolder(master.address, 16 << 20, tmp_path / "holder.log"):
-            for segment_bytes in (16 << 20, 0):  # storage here, then none (the holder's)
-                client = mooncake.MooncakeClient(master.address, segment_bytes)
-                try:
-                    dst = bytearray(4 * page)
-                    s, d = client.register(src), client.register(dst)
-                    client.put(keys, [s + j * page for j in range(4)], [page] * 4)
-                    assert client.present(keys) == 4
-                    assert client.present(["absent", *keys[1:]]) == 0
-                    client.get(keys, [d + j * page for j in range(4)], [page] * 4)
-                    assert dst == src
-                    client.get_missing("absent", d, page)
-                    with pytest.raises(mooncake.PeerFailed):
-                        client.get(["absent"], [d], [page])
-                    client.clear()
-                    assert client.present(keys) == 0
-                finally:
-                    client.close()
+    with (
+        mooncake.native_log_to(tmp_path / "native.log"),
+        mooncake.MooncakeMaster(tmp_path) as master,
+        mooncake.MooncakeHolder(master.address, 16 << 20, tmp_path / "holder.log"),
+    ):
+        for segment_bytes in (16 << 20, 0):  # storage here, then none (the holder's)
+            client = mooncake.MooncakeClient(master.address, segment_bytes)
+            try:
+                dst = bytearray(4 * page)
+                s, d = client.register(src), client.register(dst)
+                client.put(keys, [s + j * page for j in range(4)], [page] * 4)
+                assert client.present(keys) == 4
+                assert client.present(["absent", *keys[1:]]) == 0
+                client.get(keys, [d + j * page for j in range(4)], [page] * 4)
+                assert dst == src
+                client.get_missing("absent", d, page)
+                with pytest.raises(mooncake.PeerFailed):
+                    client.get(["absent"], [d], [page])
+                client.clear()
+                assert client.present(keys) == 0
+            finally:
+                client.close()
 
 
 @needs_mooncake
