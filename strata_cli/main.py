@@ -13,7 +13,7 @@ USAGE = """usage: strata <command> [args]
 
 commands:
   serve              run the store daemon (DRAM + SSD tiers under ~/.cache/strata by default)
-  bench store        store put/get/lookup benchmark vs memcpy (same-host and remote paths)
+  bench store        store put/get as an engine pays and bare, vs memcpy [--against mooncake]
   bench cluster      cluster put/get throughput and lookup latency, 1 node vs N nodes
   bench engine       engine TTFT with no cache vs a full DRAM / SSD hit; decode tokens/s
   bench keys         page-key hashing cost: BLAKE2b-128 (key schema 2) vs xxh3, per page
