@@ -17,6 +17,8 @@ commands:
   bench cluster      cluster put/get throughput and lookup latency, 1 node vs N nodes
   bench engine       engine TTFT with no cache vs a full DRAM / SSD hit; decode tokens/s
   bench keys         page-key hashing cost: BLAKE2b-128 (key schema 2) vs xxh3, per page
+  bench isolation    critical gets under a background flood, DRAM gets with a slow disk, vs idle
+  chaos              store load while faults are injected; checks no page is served wrong
   model init PATH    write a random-weight checkpoint (--preset tiny|small)
   prefill            run a prefill worker (--model PATH --store ADDR [--port N])
   decode             run a decode worker (--model PATH --store ADDR [--port N])
@@ -36,7 +38,7 @@ def _serve(argv: Sequence[str]) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: strata bench store|cluster|engine [--help]")
+        print("usage: strata bench store|cluster|engine|isolation [--help]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "store":
@@ -55,10 +57,20 @@ def _bench(argv: Sequence[str]) -> int:
         from loadtests.bench_keys import main as keys_main
 
         return keys_main(rest)
+    if what == "isolation":
+        from loadtests.bench_isolation import main as isolation_main
+
+        return isolation_main(rest)
     print(
-        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine)", file=sys.stderr
+        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, isolation)", file=sys.stderr
     )
     return 2
+
+
+def _chaos(argv: Sequence[str]) -> int:
+    from loadtests.chaos.cli import main
+
+    return main(list(argv))
 
 
 def _model(argv: Sequence[str]) -> int:
@@ -91,6 +103,7 @@ def _worker(role: str) -> Callable[[Sequence[str]], int]:
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": _serve,
     "bench": _bench,
+    "chaos": _chaos,
     "model": _model,
     "prefill": _worker("prefill"),
     "decode": _worker("decode"),

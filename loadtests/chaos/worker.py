@@ -1,0 +1,170 @@
+"""One chaos client process: a mixed put/get/lookup load at a fixed rate through the SDK.
+
+Run as `python -m loadtests.chaos.worker --address HOST:PORT --namespace NS --result PATH ...`
+(or `--etcd URL` for a `ClusterClient`). Every `1/rate` seconds it starts one call: a put of a
+new prompt (`--pages` chained pages), a get of a prompt it was acknowledged for (mostly recent
+ones), or a lookup of one; a call that overruns its slot delays the next, never bursts. Every
+page a put acknowledged (STORED or ALREADY_PRESENT) is recorded with its payload digest; every
+page a get serves is checked against its key-derived payload, and one with other bytes is
+recorded as served wrong. Each call's start, end and outcome are recorded for availability.
+
+It stops on SIGTERM (after the call in flight) or at `--duration`, and writes the record as JSON
+to `--result`. It prints `ready` once connected, so its parent knows the load has started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from client import ClusterClient, PutStatus, StoreClient, StrataError
+from loadtests.chaos.pages import chaos_scope, digest, expected, is_intact, prompt
+
+Client = StoreClient | ClusterClient
+
+
+def _client(ns: argparse.Namespace) -> Client:
+    if ns.etcd:
+        return ClusterClient(
+            etcd_endpoints=ns.etcd, cluster=ns.cluster, replicas=2, timeout_s=ns.timeout,
+            down_s=1.0, shared_memory=False,
+        )
+    shm = {"shm": True, "tcp": False, "grpc": False}[ns.transport]
+    tcp = {"shm": None, "tcp": True, "grpc": False}[ns.transport]
+    client = StoreClient(ns.address, shared_memory=shm, tcp=tcp, ucx=False,
+                         timeout_s=ns.timeout, retries=1)
+    return client
+
+
+class Record:
+    """What this worker saw: acknowledged pages, wrong pages, and every call's outcome."""
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+        self.acked: dict[str, int] = {}  # key hex -> payload digest
+        self.wrong: dict[str, float] = {}  # key hex -> when first served wrong
+        self.calls: list[tuple[float, float, bool, str]] = []  # start, end, ok, op
+        self.errors: dict[str, int] = {}
+        self.gets_pages = 0
+        self.gets_hits = 0
+
+    def error(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        self.errors[name] = self.errors.get(name, 0) + 1
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "worker_id": self.worker_id,
+            "acked": self.acked,
+            "wrong": self.wrong,
+            "calls": self.calls,
+            "errors": self.errors,
+            "gets_pages": self.gets_pages,
+            "gets_hits": self.gets_hits,
+        }
+
+
+def run(ns: argparse.Namespace, stop: threading.Event) -> Record:
+    scope = chaos_scope(ns.namespace)
+    size = scope.page_payload_bytes
+    rng = random.Random(ns.seed)
+    record = Record(ns.worker_id)
+    prompts: list[tuple[int, tuple[bytes, ...]]] = []  # acknowledged prompts, oldest first
+    next_id = ns.worker_id * 1_000_000_000
+    into = [bytearray(size) for _ in range(ns.pages)]
+    client = _client(ns)
+    deadline = time.monotonic() + ns.duration
+    ready = False
+    period = 1.0 / ns.rate
+    slot = time.monotonic()
+    try:
+        while not stop.is_set() and time.monotonic() < deadline:
+            slot = max(slot + period, time.monotonic() - period)
+            wait = slot - time.monotonic()
+            if wait > 0 and stop.wait(wait):
+                break
+            roll = rng.random()
+            op = "put" if roll < ns.put_share or not prompts else ("get" if roll < 0.8 else "lookup")
+            start = time.monotonic()
+            ok = True
+            try:
+                if op == "put":
+                    p = prompt(scope, next_id, ns.pages)
+                    next_id += 1
+                    result = client.put(scope, p.build(scope))
+                    for key, status in zip(p.keys, result.statuses, strict=True):
+                        if status in (PutStatus.STORED, PutStatus.ALREADY_PRESENT):
+                            record.acked[key.hex()] = digest(expected(key, size))
+                    prompts.append((p.prompt_id, p.keys))
+                else:
+                    recent = prompts[-20:] if rng.random() < 0.7 else prompts
+                    _, keys = rng.choice(recent)
+                    if op == "get":
+                        got = client.get(scope, keys, into)
+                        _check(record, keys, got.entries, into)
+                    else:
+                        client.lookup(scope, keys)
+            except StrataError as exc:
+                ok = False
+                record.error(exc)
+            record.calls.append((start, time.monotonic(), ok, op))
+            if ok and not ready:
+                ready = True
+                print("ready", flush=True)
+    finally:
+        client.close()
+    return record
+
+
+def _check(
+    record: Record, keys: Sequence[bytes], entries: Sequence[object], into: Sequence[bytearray]
+) -> None:
+    for key, entry, buf in zip(keys, entries, into, strict=False):
+        record.gets_pages += 1
+        if entry is None:
+            continue
+        record.gets_hits += 1
+        if not is_intact(key, buf):
+            record.wrong.setdefault(key.hex(), time.monotonic())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtests.chaos.worker", description=__doc__)
+    p.add_argument("--address", default="")
+    p.add_argument("--etcd", default="", help="etcd URL: use a ClusterClient instead")
+    p.add_argument("--cluster", default="chaos")
+    p.add_argument("--transport", choices=("shm", "tcp", "grpc"), default="shm")
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--worker-id", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate", type=float, default=40.0, help="calls per second")
+    p.add_argument("--pages", type=int, default=8, help="pages per prompt")
+    p.add_argument("--put-share", type=float, default=0.4)
+    p.add_argument("--duration", type=float, default=60.0, help="upper bound, seconds")
+    p.add_argument("--timeout", type=float, default=2.0, help="deadline of each call")
+    p.add_argument("--result", required=True)
+    ns = p.parse_args(argv)
+    if bool(ns.address) == bool(ns.etcd):
+        p.error("give exactly one of --address or --etcd")
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    record = run(ns, stop)
+    with open(ns.result, "w") as fh:
+        json.dump(record.to_json(), fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
