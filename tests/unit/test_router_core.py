@@ -125,17 +125,25 @@ def test_unreleased_entries_expire() -> None:
 
 def test_pending_joins_raise_the_predicted_tpot() -> None:
     ledger = DispatchLedger()
-    for i in range(8):
-        ledger.reserve(req(f"r{i}"), Placement("a:1", "x:1", 0.1, 0.01, "test"), now=0.0)
+    for i in range(8):  # 8 long requests join at 0.1
+        ledger.reserve(req(f"r{i}", max_tokens=1000), Placement("a:1", "x:1", 0.1, 0.01, "t"), 0.0)
     (view,) = ledger.apply([decode("x:1")], now=0.0)
     empty = estimate_tpot(req("n"), decode("x:1"), MODEL, 0.0, 0.2)
     busy = estimate_tpot(req("n"), view, MODEL, 0.0, 0.2)
-    assert busy == pytest.approx(MODEL.decode_step_s(9, 9 * 1000 + 10))
+    # its whole life overlaps theirs: a batch of 9 with their context and its own
+    assert busy == pytest.approx(MODEL.decode_step_s(9, 8 * 1000 + 1000 + 10))
     assert busy > empty
-    # joining before them (at 0.05) it runs with the batch as it is then: empty
-    assert estimate_tpot(req("n"), view, MODEL, 0.0, 0.05) == pytest.approx(empty)
-    # and long after they are done (20 steps of a batch of 8 from 0.1), empty again
-    assert estimate_tpot(req("n"), view, MODEL, 0.0, 2.0) == pytest.approx(empty)
+    # a short request joining before them (at 0.05, done by 0.07) runs alone
+    short = req("s", max_tokens=2)
+    assert estimate_tpot(short, view, MODEL, 0.0, 0.05) == pytest.approx(
+        estimate_tpot(short, decode("x:1"), MODEL, 0.0, 0.05)
+    )
+    # one that joins while they finish sees them for part of its life: in between
+    their_end = 0.1 + 1000 * MODEL.decode_step_s(8, 8 * 1000)
+    late = estimate_tpot(req("n"), view, MODEL, 0.0, their_end - 0.1)
+    assert empty < late < busy
+    # and long after they are done, it runs alone again
+    assert estimate_tpot(req("n"), view, MODEL, 0.0, 60.0) == pytest.approx(empty)
 
 
 def test_decide_reserves_only_admitted_requests_and_scores_predictions() -> None:

@@ -73,6 +73,7 @@ class Admission:
         self._rates: dict[str, _Rate] = {c.name: _Rate() for c in self.config.classes}
         self._last_asked: dict[str, float] = {}
         self._inflight: dict[str, str] = {}  # request id -> class name
+        self._started_s: float | None = None
         self.admitted: dict[str, int] = {c.name: 0 for c in self.config.classes}
         self.refused: dict[tuple[str, RefusalReason], int] = {}
 
@@ -88,10 +89,18 @@ class Admission:
         return slo
 
     def work_rate(self, name: str, now: float) -> float:
-        """The class's admitted prefill work per second over the share window."""
+        """The class's admitted prefill work per second over the share window.
+
+        The decaying sum is divided by the window's effective length so far (bias-corrected:
+        `window * (1 - exp(-elapsed / window))`, elapsed counted from the first admission call,
+        at least a tenth of the window), so a flood shows its real rate from its first moments
+        rather than after a whole window has passed."""
         rate = self._rates.get(name)
+        if rate is None or self._started_s is None:
+            return 0.0
         window = self.config.share_window_s
-        return rate.decayed(now, window) / window if rate is not None else 0.0
+        elapsed = max(now - self._started_s, window / 10.0)
+        return rate.decayed(now, window) / (window * -math.expm1(-elapsed / window))
 
     def admit(
         self,
@@ -106,6 +115,8 @@ class Admission:
         the class asked (for the share rule) and counts refusals; admission counts on dispatch."""
         slo = self.resolve(request.slo_class)
         self._last_asked[slo.name] = now
+        if self._started_s is None:
+            self._started_s = now
         limit, protected = self._ttft_limit(slo, placement, workers, now)
         ttft = placement.predicted_ttft_s
         if ttft > limit:

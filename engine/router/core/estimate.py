@@ -86,31 +86,49 @@ def estimate_prefill(
     return PrefillEstimate(waiting, 0.0, recompute, 0)
 
 
-def batch_at(worker: WorkerView, model: TimeModel, now: float, at_s: float) -> tuple[int, int]:
-    """(requests, context tokens) `worker` is predicted to be decoding at time `at_s`.
+def load_over(
+    worker: WorkerView, model: TimeModel, now: float, start_s: float, end_s: float
+) -> tuple[float, float]:
+    """(requests, context tokens) `worker` is predicted to decode, averaged over [start_s, end_s]
+    (the load at `start_s` when the two are equal).
 
-    Running requests whose reported remaining tokens run out before `at_s` have left; ledger
-    dispatches that join at or before `at_s` (and have not finished by then) have joined.
+    A running request stays until its reported remaining tokens run out at today's step time
+    (forever when the worker does not report them); a ledger dispatch is there from its join
+    until its `max_tokens` have run at the step of the fullest batch it could see.
     """
     running = worker.running_requests
     context = worker.running_context_tokens
+    span = end_s - start_s
     step = model.decode_step_s(max(running, 1), context)
-    # joins stay for their max_tokens at the step of the fullest batch they could see
+    joins = worker.pending_joins
     join_step = model.decode_step_s(
-        running + len(worker.pending_joins),
-        context + sum(j.context_tokens for j in worker.pending_joins),
+        running + len(joins), context + sum(j.context_tokens for j in joins)
     )
+    requests = float(running)
+    tokens = float(context)
     if worker.running_remaining_tokens and running > 0 and step > 0:
-        elapsed = at_s - (now - worker.report_age_s)
-        staying = sum(1 for r in worker.running_remaining_tokens if r * step > elapsed)
-        staying = min(staying, running)
-        context = context * staying // running
-        running = staying
-    for join in worker.pending_joins:
-        if join.join_at_s <= at_s and join.join_at_s + join.max_tokens * join_step > at_s:
-            running += 1
-            context += join.context_tokens
-    return running, context
+        reported_at = now - worker.report_age_s
+        share = 0.0
+        for remaining in worker.running_remaining_tokens[:running]:
+            share += _presence(reported_at, reported_at + remaining * step, start_s, span)
+        requests = share
+        tokens = context * share / running
+    for join in joins:
+        presence = _presence(
+            join.join_at_s, join.join_at_s + join.max_tokens * join_step, start_s, span
+        )
+        requests += presence
+        tokens += join.context_tokens * presence
+    return requests, tokens
+
+
+def _presence(since: float, until: float, start_s: float, span: float) -> float:
+    """The fraction of [start_s, start_s + span] within [since, until) (presence at start_s for
+    an empty span)."""
+    if span <= 0:
+        return 1.0 if since <= start_s < until else 0.0
+    overlap = min(until, start_s + span) - max(since, start_s)
+    return max(overlap, 0.0) / span
 
 
 def estimate_tpot(
@@ -123,21 +141,32 @@ def estimate_tpot(
 ) -> float:
     """Predicted seconds per output token of `request` on decode worker `worker`.
 
+    "predicted": the batch averaged over the request's life from `join_at_s` (its length taken
+    at the step time of the batch it joins); "current": the batch as reported, plus itself.
     The request's own context is its prompt plus half its generation (its mean over its life).
     A batch past `max_batch` time-shares the worker: the step stretches in proportion.
     """
+    own = request.prompt_tokens + request.max_tokens / 2.0
     if mode == "predicted":
-        running, context = batch_at(worker, model, now, join_at_s)
+        running, context = load_over(worker, model, now, join_at_s, join_at_s)
+        life = request.max_tokens * _step(model, running + 1.0, context + own, worker.max_batch)
+        running, context = load_over(worker, model, now, join_at_s, join_at_s + life)
     elif mode == "current":
-        running, context = worker.running_requests, worker.running_context_tokens
+        running, context = float(worker.running_requests), float(worker.running_context_tokens)
     else:
         raise ValueError(f"unknown load mode {mode!r} (predicted, current)")
-    batch = running + 1
-    context += request.prompt_tokens + request.max_tokens // 2
-    cap = max(worker.max_batch, 1)
+    return _step(model, running + 1.0, context + own, worker.max_batch)
+
+
+def _step(model: TimeModel, batch: float, context: float, max_batch: int) -> float:
+    cap = max(max_batch, 1)
     if batch <= cap:
-        return model.decode_step_s(batch, context)
-    return model.decode_step_s(cap, context * cap // batch) * batch / cap
+        return (
+            model.decode.fixed_s
+            + model.decode.per_request_s * batch
+            + (model.decode.per_context_token_s * context)
+        )
+    return _step(model, cap, context * cap / batch, cap) * batch / cap
 
 
 def eligible(workers: Sequence[WorkerView], request: RequestView) -> list[WorkerView]:
