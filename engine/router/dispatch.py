@@ -98,6 +98,7 @@ class Run:
     last_token_at: float = 0.0
     resumes: int = 0
     failed: bool = False
+    queue_s: float = 0.0  # time queued on workers (prefill + decode), as they report it
     tokens_by_worker: dict[str, int] = field(default_factory=dict)
     _call: grpc.aio.UnaryStreamCall | None = None
     _closed: bool = False
@@ -186,6 +187,8 @@ class Run:
                 if has_token:
                     worker = self.decode_id
                     self.tokens_by_worker[worker] = self.tokens_by_worker.get(worker, 0) + 1
+                if event.HasField("stats"):
+                    self.queue_s += event.stats.queue_s
                 if event.HasField("stats") and d.metrics is not None:
                     d.metrics.observe_decode(
                         self.decode_id,
@@ -337,6 +340,7 @@ class Dispatcher:
                     bytes_per_token=model.page_bytes // max(1, model.page_tokens),
                 )
             hit_tokens = reply.hit_tokens
+            run.queue_s = reply.timings.queue_s
             run.cached_tokens = hit_tokens.gpu + hit_tokens.dram + hit_tokens.ssd
             run.first = Token(0, reply.first_token, reply.first_text, reply.finish_reason)
             self.in_flight[job.request_id] = run
@@ -425,6 +429,7 @@ class Dispatcher:
                 ttft_s=run.first_token_at - run.started_at if run.first_token_at else None,
                 e2e_s=(run.last_token_at or now) - run.started_at,
                 output_tokens=len(run.produced),
+                queue_s=run.queue_s,
                 tokens_by_worker=run.tokens_by_worker,
             ),
             now=now,

@@ -55,12 +55,13 @@ class RouterService:
             rpc_timeout_s=config.rpc_timeout_s,
         )
         self.lookup = StoreLookup(parse_store(config.store))
-        self.tracker = PredictionTracker()  # scored by the metrics' finished records
+        self.tracker = PredictionTracker()  # scored by the core (first token, finish)
         self.core = RouterCore(
             build_policy(config.policy),
             Admission(config.admission, model=time_model),
             time_model,
             DispatchLedger(),
+            tracker=self.tracker,
         )
         self.metrics = RouterMetrics(tracker=self.tracker)
         self.metrics.set_slo_classes(config.admission.classes)
