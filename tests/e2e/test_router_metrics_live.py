@@ -4,7 +4,6 @@ requests through it, the series of each group carry the values those requests im
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -40,7 +39,9 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     return out
 
 
-def total(data: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **want: str) -> float:
+def total(
+    data: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **want: str
+) -> float:
     """Sum of `name`'s samples whose labels include `want`."""
     return sum(
         v for (n, labels), v in data.items()
