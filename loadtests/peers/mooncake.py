@@ -4,8 +4,8 @@ What `strata bench store --against mooncake` runs, on loopback only:
 
 - `MooncakeMaster`: Mooncake's master (the `mooncake_master` binary shipped in the package),
   started here as a child process on 127.0.0.1 (RPC and metrics ports picked free), with
-  `local_first` placement (a client that mounts storage keeps its own puts) and a short object
-  lease (the benchmark removes what it stored between measurements).
+  `local_first` placement (a client that mounts storage keeps its own puts); otherwise its
+  defaults (the benchmark removes what it stored between measurements with a forced remove).
 - `MooncakeHolder`: a child process whose only job is to mount Mooncake storage, for the remote
   rows: a client without storage of its own then moves every byte over Mooncake's TCP transport.
 - `MooncakeClient`: one `MooncakeDistributedStore` in the caller's process, in P2P-handshake mode
@@ -45,7 +45,6 @@ INSTALL_HINT = (
     "`apt-get install libibverbs1` on Debian)."
 )
 _READY_TIMEOUT_S = 30.0
-_LEASE_MS = 50  # an object just read can be removed this long after (the default is 10 s)
 
 
 class PeerFailed(RuntimeError):
@@ -125,7 +124,6 @@ class MooncakeMaster:
                 f"--metrics_port={metrics}",
                 "--enable_http_metadata_server=false",
                 "--allocation_strategy=local_first",
-                f"--default_kv_lease_ttl={_LEASE_MS}",
             ]
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
