@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -98,7 +99,17 @@ def serve(
             lifespan="on",
         )
     )
-    asyncio.run(server.serve(sockets=[listener]))
+    # uvicorn re-raises the stop signal after its graceful shutdown, into the handlers it found:
+    # these, so a SIGTERM ends the process with exit code 0 once everything is closed.
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: None)
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        asyncio.run(server.serve(sockets=[listener]))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if banner:
         print("strata router stopped", flush=True)
     return 0

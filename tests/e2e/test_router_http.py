@@ -1,0 +1,282 @@
+"""The router over HTTP against real processes: a store daemon, a prefill and a decode worker and
+`strata router` on loopback (tiny preset). Non-streamed and streamed completions and chats with
+the `openai` client and raw httpx give the tokens of a plain single-process greedy run; usage
+counts prompt, completion and cached tokens; every error status comes with an OpenAI-style body;
+a client that goes away mid-stream frees the decode worker's pages."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from router_processes import (
+    Child,
+    load_report,
+    router,
+    wait_for,
+    worker,
+    write_profile,
+)
+
+from engine.checkpoint import load_checkpoint
+from engine.model import DecoderModel
+from engine.reference import greedy_generate
+from engine.router.chat import ModelText
+from loadtests.daemon import DaemonProcess
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "strata-tiny-llama"
+CONFIG = """
+[router]
+policy = "strata"
+
+[admission]
+default_class = "standard"
+
+[[admission.classes]]
+name = "standard"
+
+[[admission.classes]]
+name = "impossible"
+ttft_s = 0.000001
+"""
+
+
+class Stack:
+    def __init__(self, base: str, decode: str, checkpoint: Path) -> None:
+        self.base = base
+        self.root = base.removesuffix("/v1")
+        self.decode = decode
+        ckpt = load_checkpoint(checkpoint)
+        self.model = DecoderModel.from_state_dict(ckpt.config, ckpt.state_dict)
+        self.text = ModelText.from_dir(checkpoint)
+        self.http = httpx.Client(base_url=self.root, timeout=60)
+        self.client = openai.OpenAI(base_url=base, api_key="none", max_retries=0)
+
+    def reference(self, prompt: list[int], count: int) -> list[int]:
+        with torch.no_grad():
+            return greedy_generate(self.model, prompt, count)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("router-http")
+    children: list[Child] = []
+    with DaemonProcess(tmp / "store", dram="64MiB", ssd="0").start() as daemon:
+        try:
+            prefill = worker("prefill", tiny_checkpoint, daemon.address).start()
+            decode = worker("decode", tiny_checkpoint, daemon.address).start()
+            children += [prefill, decode]
+            addresses = [prefill.ready(), decode.ready()]
+            config = tmp / "router.toml"
+            config.write_text(CONFIG)
+            front = router(
+                "--config",
+                str(config),
+                "--workers",
+                ",".join(addresses),
+                "--store",
+                daemon.address,
+                "--profile",
+                str(write_profile(tmp / "profile.json")),
+            ).start()
+            children.append(front)
+            base = front.ready(60)
+            stack = Stack(base, addresses[1], tiny_checkpoint)
+            wait_for(lambda: stack.http.get("/health").status_code == 200, 30, "router health")
+            yield stack
+            stack.http.close()
+        finally:
+            for child in children:
+                child.kill9()
+
+
+def prompt_ids(stack: Stack, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    body = torch.randint(3, 500, (length - 1,), generator=gen).tolist()
+    return [stack.text.inner.token_to_id("<|bos|>"), *body]
+
+
+def test_completion_equals_the_reference_and_counts_usage(stack: Stack) -> None:
+    prompt = prompt_ids(stack, 40, seed=1)
+    want = stack.reference(prompt, 12)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    first = stack.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra
+    )
+    choice = first.choices[0]
+    assert choice.model_extra is not None and choice.model_extra["token_ids"] == want
+    assert choice.text == stack.text.decode(want)
+    assert choice.finish_reason == "length"
+    assert first.usage is not None
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (40, 12)
+    assert first.usage.total_tokens == 52
+    # the prompt's two full pages are in the store now: the second run pulls them
+    again = stack.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, extra_body=extra
+    )
+    assert again.choices[0].model_extra["token_ids"] == want  # type: ignore[index]
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_text_prompt_and_stream_over_raw_http(stack: Stack) -> None:
+    text = "The store keeps pages of attention keys and values"
+    ids = stack.text.encode(text)
+    want = stack.reference(ids, 10)
+    body = {
+        "model": MODEL,
+        "prompt": text,
+        "max_tokens": 10,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    events: list[str] = []
+    with stack.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-strata-decode"] == stack.decode
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert tokens == want
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == stack.text.decode(want)
+    assert [ch["finish_reason"] for c in chunks for ch in c["choices"]][-1] == "length"
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 10)
+
+
+def test_chat_streamed_and_not_with_the_openai_client(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "Say something about pages."}]
+    ids = stack.text.chat_ids(MODEL, messages)
+    want = stack.reference(ids, 8)
+    extra = {"ignore_eos": True}
+    whole = stack.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        extra_body=extra,
+    )
+    assert whole.choices[0].message.content == stack.text.decode(want)
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 8)
+    stream = stack.client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    parts, usage, roles = [], None, []
+    for chunk in stream:
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            roles.append(choice.delta.role)
+        usage = chunk.usage or usage
+    assert "".join(parts) == whole.choices[0].message.content
+    assert roles[0] == "assistant"
+    assert usage is not None and usage.completion_tokens == 8
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"])
+    return dict(body["error"])
+
+
+def test_error_statuses(stack: Stack) -> None:
+    post = stack.http.post
+    ok = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+    malformed = post(
+        "/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
+    assert _error(malformed, 400)["type"] == "invalid_request_error"
+    assert _error(post("/v1/completions", json={**ok, "temperature": -1}), 400)
+    assert "n" in str(_error(post("/v1/completions", json={**ok, "n": 2}), 400)["message"])
+    assert _error(post("/v1/completions", json={**ok, "prompt": [1, 99999]}), 400)
+    long = {**ok, "prompt": [5] * 1100}
+    assert _error(post("/v1/completions", json=long), 400)["code"] == "context_length_exceeded"
+    past = {**ok, "prompt": "hi", "max_tokens": 5000}
+    assert _error(post("/v1/completions", json=past), 400)["code"] == "context_length_exceeded"
+    assert _error(post("/v1/completions", json={**ok, "model": "nope"}), 404)["code"] == (
+        "model_not_found"
+    )
+    assert _error(post("/v1/completions", json={**ok, "slo_class": "gold"}), 400)
+    refused = post("/v1/completions", json=ok, headers={"x-strata-slo-class": "impossible"})
+    assert _error(refused, 429)["type"] == "rate_limit_error"
+    assert int(refused.headers["retry-after"]) >= 1
+    with stack.http.stream(
+        "POST", "/v1/chat/completions", json={**ok, "messages": "x", "stream": True}
+    ) as bad:
+        assert bad.status_code == 400
+    # the router still serves after all that
+    assert post("/v1/completions", json=ok).status_code == 200
+
+
+def test_models_health_metrics_openapi_and_decisions(stack: Stack) -> None:
+    models = stack.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = stack.http.get("/health").json()
+    assert (health["status"], health["prefill"], health["decode"]) == ("ok", 1, 1)
+    reply = stack.http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
+    )
+    for header in ("x-strata-prefill", "x-strata-decode"):
+        assert reply.headers[header]
+    assert float(reply.headers["x-strata-predicted-ttft-ms"]) > 0
+    assert float(reply.headers["x-strata-predicted-tpot-ms"]) > 0
+    metrics = stack.http.get("/metrics").text
+    assert "strata_router" in metrics
+    schema = stack.http.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(schema["paths"])
+    decisions = stack.http.get("/debug/decisions").json()["decisions"]
+    mine = [d for d in decisions if d["request_id"] == reply.headers["x-request-id"]]
+    assert mine and mine[0]["decision"] == "placed" and mine[0]["candidates"]
+
+
+def test_client_disconnect_frees_the_decode_workers_pages(stack: Stack) -> None:
+    idle = load_report(stack.decode)
+    assert idle.running_requests == 0
+    body = {"model": MODEL, "prompt": "x " * 30, "max_tokens": 900, "stream": True}
+    body["ignore_eos"] = True
+    with stack.http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert all(not line or line.startswith("data: ") for line in got)
+        busy = load_report(stack.decode)
+        assert busy.running_requests == 1 and busy.free_pages < idle.free_pages
+    # the response is closed: the router cancels the decode stream, the worker frees the pages
+    wait_for(
+        lambda: load_report(stack.decode).free_pages == idle.free_pages,
+        10,
+        "the decode worker's pages to be freed",
+    )
+    assert load_report(stack.decode).running_requests == 0
+    metrics = stack.http.get("/metrics").text
+    assert 'outcome="cancelled"' in metrics
+
+
+def test_no_worker_gives_503(tmp_path: Path) -> None:
+    front = router("--workers", "127.0.0.1:9", "--profile", str(write_profile(tmp_path / "p.json")))
+    front.start()
+    try:
+        base = front.ready(60).removesuffix("/v1")
+        with httpx.Client(base_url=base, timeout=30) as http:
+            reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+            assert _error(reply, 503)["code"] == "no_worker"
+            assert int(reply.headers["retry-after"]) >= 1
+            assert http.get("/health").status_code == 503
+    finally:
+        assert front.terminate() == 0
