@@ -8,7 +8,8 @@ may be tied to the embeddings. Module names follow the Hugging Face tensor names
 Two entry points, both reading and writing KV only through a `PagedKVPool`:
 - `forward`: one sequence's new tokens (a prefill chunk), attending over its cached pages plus
   themselves, causally; writes their K/V into the pool.
-- `decode_step`: one new token for each of B sequences, with paged decode attention.
+- `decode_step`: one new token for each of B sequences, with paged decode attention, or, given
+  `KVRows` (the CPU engine), attention over each sequence's contiguous row of K/V.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from torch import nn
 
 from client import KVLayout
 from engine.config import ModelConfig
-from engine.kernels import paged_decode_attention, write_kv
+from engine.kernels import dense_decode_attention, paged_decode_attention, write_kv
 from engine.kv_pool import PagedKVPool
+from engine.kv_rows import RowStep
 from engine.rope import Rotary
 
 # Tensors some checkpoints carry that the model recomputes; dropped on load.
@@ -250,12 +252,17 @@ class DecoderModel(nn.Module):
         kv: PagedKVPool,
         block_tables: Sequence[Sequence[int]],
         context_lens: Sequence[int],
+        *,
+        rows: RowStep | None = None,
     ) -> torch.Tensor:
         """One new token for each of B sequences; returns float32 logits `[B, vocab]`.
 
         Sequence b has `context_lens[b]` tokens cached along `block_tables[b]`, which must have a
         page for token index `context_lens[b]` (where this step writes its K/V). `positions`
-        default to `context_lens`. Mutates the pool; raises ValueError on mismatched lengths.
+        default to `context_lens`. With `rows` (`KVRows.prepare` for the same sequences, in the
+        same order) attention reads each sequence's contiguous row and the new K/V go to the
+        rows too; without, it runs `paged_decode_attention` over the pages. Mutates the pool
+        (and the rows); raises ValueError on mismatched lengths.
         """
         self._check_pool(kv)
         ids = tokens.to(self.device).reshape(-1)
@@ -264,33 +271,44 @@ class DecoderModel(nn.Module):
             raise ValueError(
                 f"{batch} tokens, {len(block_tables)} block tables, {len(context_lens)} context lengths"
             )
+        if rows is not None and (rows.count != batch or rows.rows.pool is not kv):
+            raise ValueError(f"rows plan {rows.count} sequences of another pool or batch")
         if positions is None:
             positions = torch.tensor(list(context_lens), dtype=torch.int64)
         cos, sin = self.rotary.cos_sin(positions.reshape(-1))
         page_tokens = kv.page_tokens
-        slots = torch.empty(batch, dtype=torch.int64)
-        width = max((len(t) for t in block_tables), default=1)
-        tables = torch.zeros((batch, max(width, 1)), dtype=torch.int32)
+        slot_list = []
         for b, (table, ctx) in enumerate(zip(block_tables, context_lens, strict=True)):
             if ctx < 0 or ctx // page_tokens >= len(table):
                 raise ValueError(
                     f"sequence {b}: block table of {len(table)} pages has no slot for token {ctx}"
                 )
-            slots[b] = table[ctx // page_tokens] * page_tokens + ctx % page_tokens
-            tables[b, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
-        seq_lens = torch.tensor([c + 1 for c in context_lens], dtype=torch.int32)
-        slots, tables, seq_lens = (
-            slots.to(self.device),
-            tables.to(self.device),
-            seq_lens.to(self.device),
-        )
+            slot_list.append(table[ctx // page_tokens] * page_tokens + ctx % page_tokens)
+        slots = torch.tensor(slot_list, dtype=torch.int64).to(self.device)
+        tables = seq_lens = None
+        if rows is None:
+            width = max((len(t) for t in block_tables), default=1)
+            table_rows = torch.zeros((batch, max(width, 1)), dtype=torch.int32)
+            for b, table in enumerate(block_tables):
+                table_rows[b, : len(table)] = torch.tensor(list(table), dtype=torch.int32)
+            tables = table_rows.to(self.device)
+            seq_lens = torch.tensor([c + 1 for c in context_lens], dtype=torch.int32).to(
+                self.device
+            )
 
         x = self.model.embed_tokens(ids)
         for i, layer in enumerate(self.model.decoder_layers()):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
             write_kv(k, v, kv.key_cache(i), kv.value_cache(i), slots)
-            out = paged_decode_attention(q, kv.key_cache(i), kv.value_cache(i), tables, seq_lens)
+            if rows is not None:
+                rows.write(i, k, v)
+                out = dense_decode_attention(q, rows.keys(i), rows.values(i), rows.lengths)
+            else:
+                assert tables is not None and seq_lens is not None
+                out = paged_decode_attention(
+                    q, kv.key_cache(i), kv.value_cache(i), tables, seq_lens
+                )
             x = x + attn.o_proj(out.reshape(batch, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.logits(x)

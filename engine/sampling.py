@@ -1,18 +1,23 @@
 """Per-request sampling: greedy, temperature, top-k, top-p, a seed; the stop conditions' values.
 
 `SamplingParams` is checked when it is built and raises `SamplingError` (an `InvalidRequest`, so
-a `ValueError`) naming the bad field. `Sampler` draws one token from a row of logits.
+a `ValueError`) naming the bad field. `Sampler` holds one request's params and seed;
+`sample_tokens` draws the next token of every request of a batch at once, on tensors (one
+argmax for the greedy rows; for the others temperature, top-k and top-p masks applied to all rows
+together, then one inverse-CDF draw each). `Sampler.sample` is the same draw for one row.
 
-Seeded draws are a function of (seed, step), not of how many draws came before: step `i` (the
-i-th produced token, 0 = the one prefill produces) re-seeds the request's `torch.Generator`
-with a mix of the two. So a request whose prefill and decode run on different workers, or whose
-decode moves to another worker midway, draws exactly what one worker would have drawn.
+Seeded draws are a function of (seed, step), not of how many draws came before: draw `i` (the
+i-th produced token, 0 = the one prefill produces) takes its uniform number from a mix of the
+two (splitmix64). So a request whose prefill and decode run on different workers, or whose
+decode moves to another worker midway, or that shares its batch with other requests, draws
+exactly what one worker would have drawn for it alone.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,7 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 DEFAULT_MAX_TOKENS = 16
 _MASK64 = (1 << 64) - 1
+_UNIT = 2.0**-53
 
 
 class SamplingError(InvalidRequest):
@@ -104,39 +110,74 @@ def step_seed(seed: int, step: int) -> int:
 
 
 class Sampler:
-    """Draws the tokens of one request. Not thread-safe (one generator per request).
+    """The sampling state of one request: its params and its seed (without a seed in the params
+    one is chosen at random here, once per request). Draws are pure functions of (seed, step)."""
 
-    Without a seed in the params one is chosen at random here, once per request.
-    """
+    __slots__ = ("params", "seed")
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(64)
-        self._generator: torch.Generator | None = None
+
+    def uniform(self, step: int) -> float:
+        """The uniform number in [0, 1) of draw `step` (53 bits of its step seed)."""
+        return (step_seed(self.seed, step) >> 11) * _UNIT
 
     def sample(self, logits: torch.Tensor, step: int) -> int:
         """The token of draw `step` from float logits `[vocab]`."""
-        p = self.params
-        if p.greedy:
-            return int(torch.argmax(logits))
-        scores = logits.float() / p.temperature
-        vocab = scores.shape[-1]
-        if 0 < p.top_k < vocab:
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1.0:
-            ordered, order = torch.sort(scores, descending=True)
-            probs = torch.softmax(ordered, dim=-1)
-            # drop a token when the tokens ranked above it already reach top_p (the first stays)
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            ordered = ordered.masked_fill(drop, float("-inf"))
-            scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
-        probs = torch.softmax(scores, dim=-1)
-        generator = self._generator_for(probs.device)
-        generator.manual_seed(step_seed(self.seed, step))
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return sample_tokens(logits.reshape(1, -1), (self,), (step,))[0]
 
-    def _generator_for(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-        return self._generator
+
+def sample_tokens(
+    logits: torch.Tensor, samplers: Sequence[Sampler], steps: Sequence[int]
+) -> list[int]:
+    """The next token of each row of `logits` `[B, vocab]`: row b drawn by `samplers[b]` as its
+    draw `steps[b]`. Greedy rows take the argmax (one call for the batch); the other rows are
+    scaled by their temperatures, cut to their top-k and top-p (a token is dropped when the
+    tokens ranked above it reach top_p; the first always stays) and drawn by inverse CDF with
+    their uniform numbers, all rows in the same tensor operations. A row's token depends on its
+    logits, params, seed and step only. Raises ValueError on mismatched lengths."""
+    batch = logits.shape[0] if logits.dim() == 2 else -1
+    if batch != len(samplers) or batch != len(steps):
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, {len(samplers)} samplers, {len(steps)} steps"
+        )
+    chosen = logits.argmax(dim=-1).tolist()
+    drawn = [b for b, s in enumerate(samplers) if not s.params.greedy]
+    if not drawn:
+        return chosen
+    rows = [samplers[b] for b in drawn]
+    params = [s.params for s in rows]
+    scores = logits.float() if len(drawn) == batch else logits[drawn].float()
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    scores = scores / temps.to(scores.device)[:, None]
+    vocab = scores.shape[-1]
+    order = None
+    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        scores, order = torch.sort(scores, dim=-1, descending=True)
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if min(ks) < vocab:
+            rank = torch.arange(vocab, device=scores.device)
+            keep = rank[None, :] < torch.tensor(ks, device=scores.device)[:, None]
+            scores = scores.masked_fill(~keep, float("-inf"))
+        top_p = [p.top_p for p in params]
+        if min(top_p) < 1.0:
+            probs = torch.softmax(scores, dim=-1)
+            above = torch.cumsum(probs, dim=-1) - probs
+            limit = torch.tensor(top_p, dtype=torch.float32, device=scores.device)[:, None]
+            scores = scores.masked_fill(above >= limit, float("-inf"))
+    cdf = torch.cumsum(torch.softmax(scores, dim=-1), dim=-1)
+    total = cdf[:, -1:]
+    u = torch.tensor(
+        [s.uniform(step) for s, step in zip(rows, [steps[b] for b in drawn], strict=True)],
+        dtype=torch.float32,
+        device=cdf.device,
+    )[:, None]
+    # the largest value below the total: rounding of u * total never picks a zero-probability tail
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    picked = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
+    if order is not None:
+        picked = order.gather(-1, picked)
+    for b, token in zip(drawn, picked[:, 0].tolist(), strict=True):
+        chosen[b] = token
+    return chosen

@@ -9,8 +9,13 @@ then runs steps. A step is:
 1. prefill chunks: tokens a request still lacks KV for (a recomputed tail, or a whole prompt),
    oldest request first, `chunk_tokens` per forward pass, at most the step's token budget minus
    the decode batch (`step_token_budget` None: no budget; a tail is computed at once);
-2. one batched `decode_step` for every request whose KV is complete but for its last token;
-   each samples its next token with its own sampler and streams it.
+2. one batched `decode_step` for every request whose KV is complete but for its last token,
+   one batched draw of their next tokens (`sample_tokens`: each request's own params and
+   seed), then each token handed to its stream (a non-blocking queue put).
+
+On CPU (the torch kernel backend) a request that starts decoding gets a row of `KVRows`: its
+K/V copied once into one contiguous block that each step extends, so the step's attention
+reads the batch in place instead of gathering pages. Decode batches are taken in row order.
 
 A request's KV covers its tokens but the last; that last token is the input of its next decode
 step. Each page that fills is published in the background (so a replacement worker can pull the
@@ -30,11 +35,13 @@ import torch
 
 from client import IoClass, Scope, chain_key, page_keys
 from engine.errors import EngineBusy, InvalidRequest
+from engine.kernels import select_backend
+from engine.kv_rows import KVRow, KVRows
 from engine.lifecycle import InFlight
 from engine.output import OutputText
 from engine.requests import DecodeRequest, DecodeStats, FinishReason, TierTokens, TokenEvent
 from engine.runtime import ModelRuntime
-from engine.sampling import Sampler
+from engine.sampling import Sampler, sample_tokens
 from engine.store_link import Fetched, PullResult, StoreLink
 from engine.stream import TokenStream
 
@@ -97,6 +104,7 @@ class _Sequence:
     recomputed: int = 0
     queued_pages: int = 0
     admitted: float = 0.0
+    row: KVRow | None = None  # its contiguous K/V, once it decodes (CPU)
 
     def stats(self, page_tokens: int) -> DecodeStats:
         return DecodeStats(
@@ -123,6 +131,11 @@ class BatchScheduler:
         per_request = -(-runtime.max_context // page)
         capacity = options.kv_capacity_tokens or options.max_batch * 1024
         self.pool = runtime.new_pool(max(per_request, -(-capacity // page)))
+        self.rows = (
+            KVRows(self.pool, max_rows=options.max_batch, max_tokens=per_request * page)
+            if select_backend(None, runtime.device) == "torch"
+            else None
+        )
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._active: list[_Sequence] = []
@@ -366,26 +379,42 @@ class BatchScheduler:
     def _decode(self, batch: list[_Sequence]) -> None:
         """One decode step for `batch`; sample, stream, and end the requests that finish."""
         model = self.runtime.model
+        rows = self.rows
+        step_rows = None
+        if rows is not None:
+            for seq in batch:
+                if seq.row is None:
+                    seq.row = rows.attach(len(seq.table) * self.runtime.page_tokens)
+            batch.sort(key=_row_index)
+            step_rows = rows.prepare(
+                [s.row for s in batch if s.row is not None],
+                [s.table for s in batch],
+                [s.computed for s in batch],
+            )
         logits = model.decode_step(
             torch.tensor([s.tokens[-1] for s in batch], dtype=torch.int64),
             None,
             self.pool,
             [s.table for s in batch],
             [s.computed for s in batch],
+            rows=step_rows,
         )
-        greedy = logits.argmax(dim=-1).tolist()
+        chosen = sample_tokens(
+            logits, [s.sampler for s in batch], [len(s.output.tokens) for s in batch]
+        )
         now = time.monotonic()
-        for i, seq in enumerate(batch):
+        page = self.runtime.page_tokens
+        for seq, token in zip(batch, chosen, strict=True):
             seq.computed += 1
             step = len(seq.output.tokens)
-            token = greedy[i] if seq.sampler.params.greedy else seq.sampler.sample(logits[i], step)
             piece, reason = seq.output.append(token)
             seq.tokens.append(token)
-            self._publish_full(seq)
+            if seq.computed % page == 0:
+                self._publish_full(seq)
             if reason is None:
                 seq.stream.put(TokenEvent(step, token, piece, None, None, now))
                 continue
-            stats = seq.stats(self.runtime.page_tokens)
+            stats = seq.stats(page)
             self._release(seq)
             seq.stream.put(TokenEvent(step, token, piece, reason, stats, now))
 
@@ -423,7 +452,14 @@ class BatchScheduler:
     def _release(self, seq: _Sequence) -> None:
         if seq in self._active:
             self._active.remove(seq)
+        if seq.row is not None and self.rows is not None:
+            self.rows.release(seq.row)
+            seq.row = None
         if seq.table:
             self.pool.free(seq.table)
             seq.table = []
         self._in_flight.exit()
+
+
+def _row_index(seq: _Sequence) -> int:
+    return seq.row.index if seq.row is not None else -1

@@ -1,4 +1,4 @@
-"""Which implementation a kernel call runs: the Triton kernel or its torch reference."""
+"""Which implementation a kernel call runs: the Triton kernel or its torch path."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover - triton ships with the engine extra on 
 def select_backend(backend: str | None, device: torch.device) -> str:
     """Resolve `backend` ("auto", "triton", "torch"; None reads STRATA_KERNEL_BACKEND, default auto).
 
-    "auto" runs Triton on CUDA tensors and the torch reference elsewhere. Raises ValueError for an
+    "auto" runs Triton on CUDA tensors and the torch path elsewhere. Raises ValueError for an
     unknown name, or for "triton" when triton is not installed.
     """
     name = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")

@@ -2,6 +2,12 @@
 
 Sequence b's keys and values are its first `seq_lens[b]` tokens, laid out page by page along its
 row of `block_tables`; its query heads map onto KV heads in groups (GQA).
+
+Three implementations: the Triton kernel (CUDA; CPU under TRITON_INTERPRET=1), the torch path
+the "torch" backend runs (the batch's pages gathered into one padded block per sequence, then
+`dense_decode_attention`: one fused attention call for the whole batch), and the reference, the
+definition both are tested against. The engine's CPU decode avoids even the gather: it keeps each
+decoding sequence's K/V contiguous as it grows (`engine.kv_rows`).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import math
 import torch
 
 from engine.kernels.backend import HAVE_TRITON, select_backend
+from engine.kernels.dense_attention import dense_decode_attention
 
 if HAVE_TRITON:
     import triton
@@ -105,7 +112,7 @@ def paged_decode_attention(
     head_dim = query.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if select_backend(backend, query.device) == "torch":
-        return paged_decode_attention_reference(
+        return paged_decode_attention_gathered(
             query, key_cache, value_cache, block_tables, seq_lens, scale=scale
         )
     batch, q_heads, _ = query.shape
@@ -137,6 +144,31 @@ def paged_decode_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out
+
+
+def paged_decode_attention_gathered(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The torch path: one gather of the pages the batch reaches into `[B, span, kv_heads,
+    head_dim]` blocks (one copy of the K/V read), then one fused attention over the batch."""
+    batch = query.shape[0]
+    num_pages, page_tokens, kv_heads, head_dim = key_cache.shape
+    if batch == 0:
+        return torch.empty_like(query)
+    needed = max(1, -(-int(seq_lens.max()) // page_tokens))
+    tables = block_tables[:, : min(needed, block_tables.shape[1])].to(torch.int64)
+    tables = tables.clamp(0, num_pages - 1)  # entries past a sequence's pages are not read
+    span = tables.shape[1] * page_tokens
+    keys = key_cache[tables].reshape(batch, span, kv_heads, head_dim).transpose(1, 2)
+    values = value_cache[tables].reshape(batch, span, kv_heads, head_dim).transpose(1, 2)
+    lengths = None if bool((seq_lens == span).all()) else seq_lens
+    return dense_decode_attention(query, keys, values, lengths, scale=scale)
 
 
 def paged_decode_attention_reference(
