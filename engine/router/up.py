@@ -185,30 +185,34 @@ class Up:
         )
         return path
 
-    def profile(self, checkpoint: Path) -> Path:
+    def profile(self, checkpoint: Path, store: str) -> Path:
+        """The time model file: --profile, else this checkpoint's profile under the data folder
+        (measured on first run, with pulls from `store`; reused while it matches)."""
         if self.ns.profile:
-            self.step(2, f"time model: {self.ns.profile}")
+            self.step(3, f"time model: {self.ns.profile}")
             return Path(self.ns.profile)
-        from engine.profile import load_or_profile
+        from engine.profile import load_or_profile  # torch
 
-        self.step(2, "time model: measuring the worker on first run, reused afterwards ...")
-        return Path(
-            load_or_profile(
-                checkpoint,
-                cache_dir=self.data / "profiles",
-                max_context=self.ns.max_context,
-                progress=lambda text: print(f"      {text}", flush=True),
-            )
+        target = self.data / "profiles" / f"{checkpoint.name}.json"
+        fresh = not target.exists()
+        self.step(3, f"time model: {'measuring this machine (first run)' if fresh else target}")
+        began = time.monotonic()
+        load_or_profile(
+            checkpoint,
+            store=store,
+            path=target,
+            progress=lambda text: print(f"      {text}", flush=True),
         )
+        if fresh:
+            print(f"      saved to {target} ({time.monotonic() - began:.1f} s)", flush=True)
+        return target
 
     def start(self) -> str:
         """Start everything; returns the router's base URL. RuntimeError when a part fails."""
         ns = self.ns
         self.logs.mkdir(parents=True, exist_ok=True)
         checkpoint = self.checkpoint()
-        profile = self.profile(checkpoint)
-        self.step(3, "store daemon ...")
-        ssd = [] if ns.ssd in ("0", "") else ["--ssd", ns.ssd]
+        self.step(2, "store daemon ...")
         self.store = self._spawn(
             "store",
             _strata(
@@ -223,10 +227,12 @@ class Up:
                 str(self.data / "up" / "store"),
                 "--dram",
                 ns.dram,
-                *(ssd or ["--ssd", "0"]),
+                "--ssd",
+                ns.ssd or "0",
             ),
         )
         store = self.store.ready(60)
+        profile = self.profile(checkpoint, store)
         roles = (
             [("colocated", ns.decode)]
             if ns.colocated

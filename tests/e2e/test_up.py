@@ -1,0 +1,123 @@
+"""`strata up --preset tiny` as a child process: on first run it writes the checkpoint and
+profiles the worker, starts the store, a prefill and a decode worker and the router, prints the
+base URL and the examples, serves a completion, and on SIGTERM stops everything, leaving no
+process and no shared-memory segment. A taken port is a clear message before anything starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _children(pid: int) -> set[int]:
+    """Direct children of `pid`, from /proc."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out.update(int(p) for p in text)
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_up_serves_and_stops_clean(tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "strata_cli.main", "up", "--preset", "tiny", "--port", "0"]
+    args += ["--data-dir", str(tmp_path), "--max-context", "1024", "--ssd", "0"]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    up = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "stop with Ctrl-C" in line:
+                up.set()
+        up.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert up.wait(300) and proc.poll() is None, "\n".join(lines[-40:])
+        text = "\n".join(lines)
+        assert "writing the tiny preset checkpoint" in text  # first run: progress shown
+        assert "measuring this machine" in text
+        match = re.search(r"Strata is up at (http://127\.0\.0\.1:\d+/v1)\s+model: (\S+)", text)
+        assert match, text
+        base, model = match.groups()
+        assert "curl " in text and "OpenAI(base_url=" in text and "no API keys" in text
+        reply = httpx.post(
+            f"{base}/completions",
+            json={"model": model, "prompt": "The store keeps pages", "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+        children = _children(proc.pid)
+        assert len(children) == 4  # store, prefill, decode, router
+        store_log = (tmp_path / "up" / "logs" / "store.log").read_text()
+        segment = re.search(r"shared memory: /dev/shm/(\S+)", store_log)
+        assert segment and Path(f"/dev/shm/{segment.group(1)}").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, "\n".join(lines[-20:])
+        assert "no process or shared-memory segment left" in "\n".join(lines)
+        deadline = time.monotonic() + 10
+        while not all(_gone(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid in children)
+        assert not Path(f"/dev/shm/{segment.group(1)}").exists()
+        assert "cleaned up after" not in "\n".join(lines)  # the children stopped cleanly
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_up_reports_a_taken_port(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "strata_cli.main",
+                "up",
+                "--preset",
+                "tiny",
+                "--port",
+                str(port),
+                "--data-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+    assert not (tmp_path / "models").exists()  # nothing was started or written
