@@ -2,7 +2,8 @@
 
 POST /v1/completions, POST /v1/chat/completions (streamed as SSE or not), GET /v1/models,
 GET /health, GET /metrics (Prometheus text), GET /debug/decisions (the latest decisions with
-each candidate's predicted cost and why it lost), and FastAPI's GET /openapi.json. Every error,
+each candidate's predicted cost and why it lost), GET /debug/workers (the registry: source,
+liveness, report age, last error) and FastAPI's GET /openapi.json. Every error,
 the framework's own validation errors included, goes through `http_errors` (one table).
 Responses to a placed request carry `x-strata-prefill`, `x-strata-decode`,
 `x-strata-predicted-ttft-ms`, `x-strata-predicted-tpot-ms` and `x-request-id`.
@@ -210,5 +211,25 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
     async def decisions(limit: int = 50) -> JSONResponse:
         items = list(service.dispatcher.decisions)[-max(1, min(limit, 1000)) :]
         return JSONResponse({"decisions": items})
+
+    @app.get("/debug/workers")
+    async def workers() -> JSONResponse:
+        now = service.registry.clock()
+        live = {h.address for h in service.registry.live(now)}
+        items = []
+        for h in service.registry.workers.values():
+            d = h.description
+            items.append(
+                {
+                    "address": h.address,
+                    "source": h.source,
+                    "live": h.address in live,
+                    "role": d.role if d is not None else "",
+                    "model": d.model_id if d is not None else "",
+                    "report_age_s": round(now - h.report_at, 3) if h.report is not None else None,
+                    "last_error": h.last_error,
+                }
+            )
+        return JSONResponse({"workers": items})
 
     return app

@@ -1,0 +1,98 @@
+"""The router and its workers over a store cluster, all found through a real etcd: two daemons
+register as cluster members, a prefill and a decode worker take the cluster as their store
+(`--store etcd://.../t`) and register themselves (`--etcd`), and `strata router` is given only
+etcd. The router finds the workers, its own lookups see the pages the workers published to the
+cluster, and a worker that stops leaves the router's set."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import DaemonFactory
+from router_processes import Child, router, wait_for, worker, write_profile
+
+from loadtests.etcd import EtcdProcess
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "strata-tiny-llama"
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
+    proc = EtcdProcess(tmp_path / "etcd")
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+def test_workers_and_router_over_an_etcd_cluster(
+    tmp_path: Path, etcd: EtcdProcess, daemon_factory: DaemonFactory, tiny_checkpoint: Path
+) -> None:
+    for node in ("n1", "n2"):
+        daemon_factory(
+            settings={
+                "cluster.etcd_endpoints": etcd.url,
+                "cluster.name": "t",
+                "cluster.lease_ttl_s": "2",
+                "cluster.etcd_timeout_ms": "1000",
+                "server.node_id": node,
+            }
+        )
+    endpoint = etcd.url.removeprefix("http://")
+    store = f"etcd://{endpoint}/t"
+    children: list[Child] = []
+    try:
+        for role in ("prefill", "decode"):
+            children.append(
+                worker(role, tiny_checkpoint, store, "--etcd", endpoint, "--cluster", "t").start()
+            )
+        decode_address = [c.ready() for c in children][1]
+        front = router(
+            "--etcd",
+            endpoint,
+            "--cluster",
+            "t",
+            "--store",
+            store,
+            "--profile",
+            str(write_profile(tmp_path / "profile.json")),
+        ).start()
+        children.append(front)
+        base = front.ready(60).removesuffix("/v1")
+        http = httpx.Client(base_url=base, timeout=60)
+
+        def health() -> dict[str, object]:
+            return dict(http.get("/health").json())
+
+        wait_for(lambda: health()["status"] == "ok", 30, "the workers found through etcd")
+        prompt = [0, *range(10, 50)]  # 41 tokens: 2 full pages
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+        first = http.post("/v1/completions", json=body)
+        assert first.status_code == 200, first.text
+        again = http.post("/v1/completions", json=body)
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        # the router's own lookup found the two pages in the cluster when it placed the request
+        decisions = http.get("/debug/decisions").json()["decisions"]
+        mine = [d for d in decisions if d["request_id"] == again.headers["x-request-id"]]
+        assert mine and mine[0]["hit_tokens_used"] == 32
+        workers = http.get("/debug/workers").json()["workers"]
+        assert {w["source"] for w in workers} == {"etcd"} and len(workers) == 2
+        # a worker that stops revokes its lease: the router forgets it
+        assert children[1].terminate() == 0
+
+        def known() -> set[str]:
+            return {w["address"] for w in http.get("/debug/workers").json()["workers"]}
+
+        wait_for(lambda: decode_address not in known(), 10, "the stopped worker to leave")
+        assert health()["decode"] == 0
+        http.close()
+    finally:
+        for child in children:
+            child.kill9()
