@@ -79,6 +79,17 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def size_arg(text: str) -> int:
+    """`64MiB` -> 67108864 (what `strata serve` takes, for the command line)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", text, re.I)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 64MiB)")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
+
+
 def _client(address: str, path: str, io_class: IoClass, timeout_s: float = 30.0) -> StoreClient:
     return StoreClient(
         address, shared_memory=path == "shm", tcp=path == "tcp", ucx=path == "ucx",
@@ -380,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=5.0, help="timing per path and round")
     p.add_argument("--max-calls", type=int, default=5000)
-    p.add_argument("--cap", type=int, default=64 << 20, help="background bytes/s cap (default 64MiB)")
+    p.add_argument("--cap", type=size_arg, default=64 << 20,
+                   help="background cap in bytes/s, e.g. 64MiB (the default)")
     p.add_argument("--get-pages", type=int, default=4)
     p.add_argument("--flood-page-kib", type=int, default=256)
     p.add_argument("--flood-batch", type=int, default=16)

@@ -17,6 +17,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from loadtests.chaos.faults import FAULTS
@@ -51,11 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             print(f"  {name} ...", flush=True)
+            began = time.monotonic()
             r = run_phase(FAULTS[name](), folder / name, load, per_phase)
             results.append(r)
             status = (r.skipped and f"skipped: {r.skipped}") or (r.error and f"ERROR: {r.error}")
-            print(f"    {status or f'acked {r.acknowledged}, wrong {r.wrong}, leaks {r.leaks}'}",
-                  flush=True)
+            summary = status or f"acked {r.acknowledged}, wrong {r.wrong}, leaks {r.leaks}"
+            print(f"    {summary} ({time.monotonic() - began:.1f} s)", flush=True)
     finally:
         if ns.dir is None:
             shutil.rmtree(folder, ignore_errors=True)

@@ -170,6 +170,10 @@ class StallClient(Fault):
 class SlowDisk(Fault):
     name = "slow-disk"
     delay_ms = 200
+    dram = "8MiB"  # the load passes DRAM's high watermark: demotions go through the slow disk
+
+    def worker_args(self, env: PhaseEnv, index: int) -> list[str]:
+        return ["--pages", "4"]  # each demotion write takes delay_ms: keep the volume small
 
     def settings(self, env: PhaseEnv) -> list[str]:
         env.notes.append(f"every SSD write {self.delay_ms} ms, whole phase")

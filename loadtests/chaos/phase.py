@@ -122,8 +122,16 @@ class PhaseEnv:
     notes: list[str] = field(default_factory=list)
     details: dict[str, object] = field(default_factory=dict)
     etcd_url: str = ""
+    began: float = field(default_factory=time.monotonic)
     daemon_prefix: list[str] = field(default_factory=list)  # e.g. ip netns exec NS
     daemon_host: str = "127.0.0.1"
+    ports: list[int] = field(default_factory=list)  # one gRPC port per daemon, fixed for restarts
+
+    def mark(self, step: str) -> None:
+        """Record how far into the phase `step` ended (the JSON's `details.seconds`)."""
+        marks = self.details.setdefault("seconds", {})
+        assert isinstance(marks, dict)
+        marks[step] = round(time.monotonic() - self.began, 2)
 
     @property
     def scope_name(self) -> str:
@@ -139,6 +147,7 @@ class Fault:
 
     name = ""
     nodes = 1
+    dram = ""  # the daemons' DRAM budget when not the load's (a fault that needs demotion)
 
     def skip_reason(self) -> str:
         """Why this fault cannot be injected on this machine ("" = it can)."""
@@ -184,7 +193,7 @@ def run_phase(fault: Fault, folder: Path, load: Load, load_s: float) -> FaultRes
             return FaultResult(fault.name, skipped=reason)
         return _run(fault, env, load_s)
     except (StrataError, RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        return FaultResult(fault.name, error=f"{type(exc).__name__}: {exc}"[:400],
+        return FaultResult(fault.name, error=_tail(f"{type(exc).__name__}: {exc}"),
                            notes=tuple(env.notes), details=env.details)
     finally:
         for w in env.workers:
@@ -196,14 +205,13 @@ def run_phase(fault: Fault, folder: Path, load: Load, load_s: float) -> FaultRes
 
 def _start_daemons(fault: Fault, env: PhaseEnv) -> None:
     integrity = [INTEGRITY_FLAG] if daemon_has_flag(INTEGRITY_FLAG) else []
-    for n in range(fault.nodes):
-        port = free_port()
+    for n, port in enumerate(env.ports):
         extra = [
             "--host", env.daemon_host,
             "--set", f"limits.lease_ttl_ms={LEASE_TTL_MS}",
             *integrity, *fault.settings(env),
         ]
-        d = DaemonProcess(env.folder / f"node{n}", dram=env.load.dram, ssd=env.load.ssd,
+        d = DaemonProcess(env.folder / f"node{n}", dram=fault.dram or env.load.dram, ssd=env.load.ssd,
                           extra=extra, port=port)
         d.args = [*env.daemon_prefix, *d.args]
         env.daemons.append(d)
@@ -211,6 +219,18 @@ def _start_daemons(fault: Fault, env: PhaseEnv) -> None:
 
 
 def _run(fault: Fault, env: PhaseEnv, load_s: float) -> FaultResult:
+    # the workers start (and import) while the daemons do: they retry until one answers
+    env.ports = [free_port() for _ in range(fault.nodes)]
+    scope = env.scope_name
+    for i in range(env.load.clients):
+        where = (["--etcd", env.etcd_url] if env.etcd_url
+                 else ["--address", f"{env.daemon_host}:{env.ports[0]}"])
+        args = [
+            *where, "--namespace", scope, "--worker-id", str(i), "--seed", str(i + 1),
+            "--rate", str(env.load.rate), "--pages", str(env.load.pages),
+            "--duration", str(load_s + 60), *fault.worker_args(env, i),
+        ]
+        env.workers.append(Worker(args, env.folder / f"worker{i}.json", fault.worker_prefix(env)))
     try:
         _start_daemons(fault, env)
     except RuntimeError as exc:
@@ -219,20 +239,12 @@ def _run(fault: Fault, env: PhaseEnv, load_s: float) -> FaultResult:
             key = text.split("unknown config key", 1)[1].split(";")[0].strip()
             return FaultResult(fault.name, skipped=f"this daemon has no such setting: {key}")
         raise
-    scope = env.scope_name
-    for i in range(env.load.clients):
-        where = (["--etcd", env.etcd_url] if env.etcd_url
-                 else ["--address", env.daemons[0].address])
-        args = [
-            *where, "--namespace", scope, "--worker-id", str(i), "--seed", str(i + 1),
-            "--rate", str(env.load.rate), "--pages", str(env.load.pages),
-            "--duration", str(load_s + 60), *fault.worker_args(env, i),
-        ]
-        env.workers.append(Worker(args, env.folder / f"worker{i}.json", fault.worker_prefix(env)))
-    if not all(w.ready.wait(30) for w in env.workers):
+    env.mark("daemons started")
+    if not all(w.ready.wait(60) for w in env.workers):
         late = [i for i, w in enumerate(env.workers) if not w.ready.is_set()]
         errs = "; ".join(" | ".join(env.workers[i].stderr[-3:]) for i in late)
-        raise RuntimeError(f"workers {late} made no successful call in 30 s: {errs}")
+        raise RuntimeError(f"workers {late} made no successful call in 60 s: {errs}")
+    env.mark("workers ready")
     start = time.monotonic()
     _wait_until(start + load_s * 0.25)
     t_on = time.monotonic()
@@ -246,6 +258,7 @@ def _run(fault: Fault, env: PhaseEnv, load_s: float) -> FaultResult:
             raise RuntimeError(f"worker {i} wrote no record: {' | '.join(w.stderr[-5:])}")
         records.append(rec)
     env.workers.clear()
+    env.mark("workers stopped")
     return _check(fault, env, records, t_on, t_off)
 
 
@@ -265,8 +278,10 @@ def _check(
             calls.extend(tuple(c) for c in rec["calls"])  # type: ignore[attr-defined, misc]
     avail = availability(calls, t_on, t_off)
     intact, missing, wrong_now = _read_back(env, [bytes.fromhex(k) for k in acked])
+    env.mark("read back")
     wrong = wrong_live | {k.hex() for k in wrong_now}
     leaks = _leaks(env)
+    env.mark("leak checks and stop")
     env.details["client_errors"] = errors
     env.details["served_wrong_during_load"] = len(wrong_live)
     return FaultResult(
@@ -327,6 +342,7 @@ def _leaks(env: PhaseEnv) -> int:
                 leaks += 1
                 left = ", ".join(f"{t.tier.name.lower()} {t.used_bytes} B" for t in s.tiers)
                 env.notes.append(f"node{n}: {s.pages} pages left after deleting all ({left})")
+        env.mark(f"node{n} checked")
     for n, daemon in enumerate(env.daemons):
         code = daemon.stop()
         text = "\n".join(daemon.output)
@@ -340,3 +356,9 @@ def _leaks(env: PhaseEnv) -> int:
         env.details["check_integrity"] = "not reachable: strata serve has no " + INTEGRITY_FLAG
     env.daemons.clear()
     return leaks
+
+
+def _tail(text: str, limit: int = 600) -> str:
+    """The end of an error (a daemon's traceback ends with what went wrong), on one line."""
+    flat = " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return flat if len(flat) <= limit else "..." + flat[-limit:]
