@@ -1,5 +1,6 @@
 """`strata up --preset tiny` as a child process: on first run it writes the checkpoint and
-profiles the worker, starts the store, a prefill and a decode worker and the router, prints the
+profiles the worker, starts the store, a prefill and a decode worker (or a co-located one with
+--colocated) and the router, prints the
 base URL and the examples, serves a completion, and on SIGTERM stops everything, leaving no
 process and no shared-memory segment. A taken port is a clear message before anything starts."""
 
@@ -38,9 +39,12 @@ def _gone(pid: int) -> bool:
     return "\nState:\tZ" in status
 
 
-def test_up_serves_and_stops_clean(tmp_path: Path) -> None:
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_up_serves_and_stops_clean(tmp_path: Path, colocated: bool) -> None:
     args = [sys.executable, "-m", "strata_cli.main", "up", "--preset", "tiny", "--port", "0"]
     args += ["--data-dir", str(tmp_path), "--max-context", "1024", "--ssd", "0"]
+    if colocated:
+        args.append("--colocated")
     proc = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -76,8 +80,10 @@ def test_up_serves_and_stops_clean(tmp_path: Path) -> None:
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
+        same = reply.headers["x-strata-prefill"] == reply.headers["x-strata-decode"]
+        assert same == colocated
         children = _children(proc.pid)
-        assert len(children) == 4  # store, prefill, decode, router
+        assert len(children) == (3 if colocated else 4)  # store, workers, router
         store_log = (tmp_path / "up" / "logs" / "store.log").read_text()
         segment = re.search(r"shared memory: /dev/shm/(\S+)", store_log)
         assert segment and Path(f"/dev/shm/{segment.group(1)}").exists()
