@@ -177,6 +177,8 @@ class SimEngine:
                     if ahead > budget:
                         break
                 if not job.started:
+                    if self.role is Role.colocated and self._batch_full():
+                        break  # the decode batch it would join is full
                     if not self._start(job):
                         break  # head-of-line: the pool has no room for it yet
                     prefill_s += job.pull_s
@@ -199,6 +201,10 @@ class SimEngine:
             model.decode_step_s(len(decodes), sum(j.context for j in decodes)) if decodes else 0.0
         )
         return Iteration(prefill_s + decode_s, tuple(prefills), decodes)
+
+    def _batch_full(self) -> bool:
+        prefilling = sum(1 for j in self.prefill_q if j.started)
+        return len(self.running) + prefilling >= self.sim.cluster.max_batch
 
     def _admit_joins(self) -> None:
         while self.join_q and len(self.running) < self.sim.cluster.max_batch:

@@ -335,23 +335,26 @@ class Simulator:
         )
 
     # -- the run --------------------------------------------------------------------------------
-    def run(self, requests: Sequence[Request], *, rate: float = 0.0, label: str = "") -> RunResult:
+    def run(
+        self,
+        requests: Sequence[Request],
+        *,
+        rate: float = 0.0,
+        label: str = "",
+        duration_s: float | None = None,
+    ) -> RunResult:
         if self.loop.events:
             raise SimError("a Simulator runs once; build a new one")
         self._arrivals_left = len(requests)
+        self.loop.at(0.0, self._report)  # first, so arrivals at t=0 see the workers
         for req in requests:
             self.loop.at(req.arrival_s, self._arrive, req)
-        self.loop.at(0.0, self._report)
         end = (requests[-1].arrival_s if requests else 0.0) + self.cluster.drain_s
         self.loop.run(until=end)
         for job in list(self._jobs.values()):
             self._records[job.req.request_id] = self._record(job, "timeout")
         records = tuple(self._records[r.request_id] for r in requests)
-        duration = (
-            self.workload.duration_s
-            if rate == 0.0
-            else max(self.workload.duration_s, requests[-1].arrival_s if requests else 0.0)
-        )
+        duration = duration_s or self.workload.duration_s
         evictions = (
             self.store.evictions
             if self.store is not None
@@ -387,10 +390,11 @@ def simulate(
     admission: str | None = None,
     rate: float = 0.0,
     label: str = "",
+    duration_s: float | None = None,
 ) -> RunResult:
     """One simulated run (a fresh simulator)."""
     return Simulator(cluster, workload, model, policy=policy, admission=admission).run(
-        requests, rate=rate, label=label
+        requests, rate=rate, label=label, duration_s=duration_s
     )
 
 

@@ -8,7 +8,7 @@ pages from the segments without materializing tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,10 +29,10 @@ class Request:
     max_tokens: int
     session: str = ""  # agent session id ("" when the request belongs to none)
     turn: int = 0
+    prompt_tokens: int = field(init=False, compare=False)
 
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(s.length for s in self.segments)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_tokens", sum(s.length for s in self.segments))
 
     def to_json(self) -> dict[str, object]:
         return {

@@ -1,0 +1,179 @@
+"""`strata simulate WORKLOAD.toml --cluster CLUSTER.toml --out DIR [--policies a,b] [--rates r1,r2]`
+
+Runs the workload through the simulated cluster once per policy (and rate), every run placed by
+the router's real core, and writes one report with the runs side by side (JSON of every request,
+Markdown, plots). Prints the side-by-side table and each policy's ratios against the first.
+`--validate LIVE.json` simulates the rates of a live report (with this cluster, typically one
+built from this machine's `strata profile`) and lays live and simulated p50s side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.router.core import TimeModel
+from loadtests.report.compare import side_by_side
+from loadtests.report.files import ReportError, load_runs, write_report
+from loadtests.report.metrics import run_metrics
+from loadtests.report.records import RunResult
+from loadtests.sim.cluster import STORE_MODES, ClusterError, ClusterSpec, load_cluster
+from loadtests.sim.simulator import SIM_POLICIES, simulate
+from loadtests.sim.validate import validation_table
+from loadtests.workload import WorkloadError, WorkloadSpec, generate_requests, load_workload
+
+
+def parse_list(text: str, kind: type = str) -> list:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        return [kind(t) for t in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of {kind.__name__}: {text!r}") from None
+
+
+def run_grid(
+    workload: WorkloadSpec,
+    cluster: ClusterSpec,
+    model: TimeModel,
+    policies: Sequence[str],
+    rates: Sequence[float | None],
+    *,
+    duration_s: float | None = None,
+    admission: str | None = None,
+    progress: bool = False,
+) -> list[RunResult]:
+    runs: list[RunResult] = []
+    for rate in rates:
+        requests = generate_requests(workload, rate=rate, duration_s=duration_s)
+        offered = rate or (len(requests) / (duration_s or workload.duration_s))
+        for policy in policies:
+            run = simulate(
+                cluster,
+                workload,
+                model,
+                requests,
+                policy=policy,
+                admission=admission,
+                rate=offered,
+                duration_s=duration_s,
+                label=f"{policy} @ {offered:.3g}/s" + (f" [{admission}]" if admission else ""),
+            )
+            if progress:
+                m = run_metrics(run).overall
+                print(
+                    f"  {run.label}: {m.requests} requests, TTFT p50 {m.ttft.p50 * 1e3:.1f} ms, "
+                    f"attainment {m.attainment * 100:.1f}%",
+                    flush=True,
+                )
+            runs.append(run)
+    return runs
+
+
+def ratios(runs: Sequence[RunResult]) -> list[str]:
+    """Each run's mean and p99 TTFT and e2e as a ratio of the first policy's at the same rate."""
+    lines = []
+    by_rate: dict[float, list[RunResult]] = {}
+    for r in runs:
+        by_rate.setdefault(r.target_rate, []).append(r)
+    for rate, group in by_rate.items():
+        base = run_metrics(group[0]).overall
+        for r in group[1:]:
+            m = run_metrics(r).overall
+
+            def q(a: float, b: float) -> str:
+                return "-" if not b or math.isnan(a) or math.isnan(b) else f"{a / b:.2f}x"
+
+            lines.append(
+                f"- @ {rate:.3g}/s {group[0].policy} / {r.policy}: TTFT mean {q(base.ttft.mean, m.ttft.mean)}, "
+                f"p99 {q(base.ttft.p99, m.ttft.p99)}; e2e mean {q(base.e2e.mean, m.e2e.mean)}, "
+                f"p99 {q(base.e2e.p99, m.e2e.p99)}"
+            )
+    return lines
+
+
+def main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="strata simulate", description=__doc__.splitlines()[0])
+    ap.add_argument("workload")
+    ap.add_argument("--cluster", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--policies",
+        type=parse_list,
+        default=None,
+        help=f"comma list of {', '.join(SIM_POLICIES)} (default: the cluster's)",
+    )
+    ap.add_argument("--rates", type=lambda t: parse_list(t, float), default=None)
+    ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals")
+    ap.add_argument("--admission", choices=("off", "predicted", "current"), default=None)
+    ap.add_argument(
+        "--store", choices=STORE_MODES, default=None, help="override the cluster's store"
+    )
+    ap.add_argument(
+        "--time-model", default=None, help="a `strata profile` JSON instead of the cluster's"
+    )
+    ap.add_argument("--validate", default=None, help="a live report.json to simulate and compare")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        workload = load_workload(args.workload)
+        cluster = load_cluster(args.cluster)
+        if args.store:
+            cluster = cluster.with_(store=args.store)
+        model = TimeModel.load(args.time_model or cluster.time_model)
+        live: list[RunResult] = load_runs(args.validate) if args.validate else []
+    except (WorkloadError, ClusterError, ReportError, ValueError, FileNotFoundError) as exc:
+        print(f"strata simulate: {exc}", file=sys.stderr)
+        return 2
+    policies = args.policies or [cluster.policy]
+    unknown = [p for p in policies if p not in SIM_POLICIES]
+    if unknown:
+        print(
+            f"strata simulate: unknown policies {unknown} (known: {', '.join(SIM_POLICIES)})",
+            file=sys.stderr,
+        )
+        return 2
+    rates: list[float | None] = list(args.rates) if args.rates else [None]
+    duration = args.duration
+    if live:
+        rates = [r.target_rate for r in live]
+        duration = duration or live[0].duration_s
+    print(
+        f"simulating {workload.name} on {cluster.name} ({cluster.layout}, store {cluster.store}): "
+        f"{len(policies)} policies x {len(rates)} rates",
+        flush=True,
+    )
+    runs = run_grid(
+        workload,
+        cluster,
+        model,
+        policies,
+        rates,
+        duration_s=duration,
+        admission=args.admission,
+        progress=True,
+    )
+    extra = ""
+    if live:
+        extra = "## Live vs simulated\n\n" + validation_table(live, runs) + "\n"
+    extra += "\n## Ratios against the first policy\n\n" + "\n".join(ratios(runs)) + "\n"
+    paths = write_report(
+        [*live, *runs],
+        args.out,
+        f"Simulation: {workload.name} on {cluster.name}",
+        plots=not args.no_plots,
+        extra_markdown=extra,
+    )
+    print(side_by_side(runs))
+    if live:
+        print(validation_table(live, runs))
+    for line in ratios(runs):
+        print(line)
+    print(f"wrote {paths['json']} and {paths['markdown']}")
+    return 0
+
+
+def main_path(path: Path) -> int:  # pragma: no cover - convenience for python -m
+    return main([str(path)])
