@@ -37,7 +37,14 @@ class _Sampling(_Request):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     seed: Annotated[int, Field(ge=0, lt=1 << 63)] | None = None
-    stop: str | list[str] | None = None
+    stop: (
+        Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOP),
+        ]
+        | None
+    ) = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,7 +70,10 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt` is text or a list of token ids."""
 
-    prompt: str | list[Annotated[int, Field(ge=0, lt=1 << 32)]] = Field(min_length=1)
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0, lt=1 << 32)]], Field(min_length=1)]
+    )
 
 
 class ChatMessage(_Request):

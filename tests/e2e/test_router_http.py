@@ -280,3 +280,37 @@ def test_no_worker_gives_503(tmp_path: Path) -> None:
             assert http.get("/health").status_code == 503
     finally:
         assert front.terminate() == 0
+
+
+def test_openapi_schema_holds_for_generated_requests(stack: Stack) -> None:
+    """schemathesis validates the published schema and sends requests generated from it: no
+    answer is a server error, and every answer matches the schema (status, body, headers)."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    raw = stack.http.get("/openapi.json").json()
+    schema = schemathesis.openapi.from_dict(raw)
+    schema.config.update(base_url=stack.root)
+    tried: list[str] = []
+    for path, method in (
+        ("/v1/completions", "POST"),
+        ("/v1/chat/completions", "POST"),
+        ("/v1/models", "GET"),
+        ("/health", "GET"),
+    ):
+        operation = schema[path][method]
+
+        @settings(
+            max_examples=12,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=operation.as_strategy())
+        def check(case: object) -> None:
+            case.call_and_validate(base_url=stack.root, timeout=60)  # type: ignore[attr-defined]
+
+        check()
+        tried.append(f"{method} {path}")
+    assert len(tried) == 4
