@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -191,7 +191,9 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
     async def health() -> JSONResponse:
         counts = service.registry.counts()
         serving = counts["colocated"] > 0 or (counts["prefill"] > 0 and counts["decode"] > 0)
-        status = "ok" if serving else ("degraded" if sum(counts.values()) else "unavailable")
+        status: Literal["ok", "degraded", "unavailable"] = (
+            "ok" if serving else ("degraded" if sum(counts.values()) else "unavailable")
+        )
         body = Health(
             status=status,
             workers=sum(counts.values()),

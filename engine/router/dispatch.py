@@ -28,6 +28,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -100,7 +101,7 @@ class Run:
     failed: bool = False
     queue_s: float = 0.0  # time queued on workers (prefill + decode), as they report it
     tokens_by_worker: dict[str, int] = field(default_factory=dict)
-    _call: grpc.aio.UnaryStreamCall | None = None
+    _call: Any = None  # the grpc.aio stream call in progress
     _closed: bool = False
 
     async def tokens(self) -> AsyncIterator[Token]:

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -90,13 +91,15 @@ class WorkerHandle:
     def role(self) -> Role | None:
         return Role(self.description.role) if self.description is not None else None
 
-    def worker_stub(self) -> engine_pb2_grpc.WorkerStub:
+    # The generated stubs are typed for blocking channels; over a grpc.aio channel their calls
+    # return awaitables and async iterators, hence Any.
+    def worker_stub(self) -> Any:
         return engine_pb2_grpc.WorkerStub(self.channel)
 
-    def prefill_stub(self) -> engine_pb2_grpc.PrefillStub:
+    def prefill_stub(self) -> Any:
         return engine_pb2_grpc.PrefillStub(self.channel)
 
-    def decode_stub(self) -> engine_pb2_grpc.DecodeStub:
+    def decode_stub(self) -> Any:
         return engine_pb2_grpc.DecodeStub(self.channel)
 
 

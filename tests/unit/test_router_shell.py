@@ -1,0 +1,144 @@
+"""The router shell's pure pieces: store strings, the config file, the one error table, request
+models, the chat template; and the shell (HTTP edge, registry, dispatch) never loads torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from engine.router.chat import ChatTemplateMissing, ModelText
+from engine.router.config import load_router_config
+from engine.router.core.errors import ErrorKind
+from engine.router.http_errors import STATUS, HttpError, error_body, headers_of, sse_error
+from engine.router.protocol import ChatCompletionRequest, CompletionRequest
+from engine.store_spec import StoreSpec, parse_store
+
+pytestmark = pytest.mark.unit
+
+
+def test_store_strings() -> None:
+    assert parse_store("") is None
+    assert parse_store("127.0.0.1:7700") == StoreSpec(addresses=("127.0.0.1:7700",))
+    assert parse_store("127.0.0.1:7700").single  # type: ignore[union-attr]
+    two = parse_store("a:1, b:2")
+    assert two == StoreSpec(addresses=("a:1", "b:2")) and not two.single
+    etcd = parse_store("etcd://h1:2379,h2:2379/prod")
+    assert etcd == StoreSpec(etcd_endpoints=("http://h1:2379", "http://h2:2379"), cluster="prod")
+    assert parse_store("etcd://h1:2379").cluster == "default"  # type: ignore[union-attr]
+    for bad in ("nohost", "a:0", "a:99999", "a:1,a:1", "etcd://", "etcd://h:1/a/b", ":5"):
+        with pytest.raises(ValueError):
+            parse_store(bad)
+
+
+def test_router_config_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(
+        '[router]\nworkers = ["h:1", "h:2"]\npolicy = "least_load"\nport = 9000\n'
+        '[admission]\ndefault_class = "gold"\n'
+        '[[admission.classes]]\nname = "gold"\nttft_s = 0.5\n'
+    )
+    config = load_router_config(path, {"port": 9100, "policy": None, "workers": None})
+    assert (config.workers, config.policy, config.port) == (("h:1", "h:2"), "least_load", 9100)
+    assert config.admission.default_class == "gold"
+    assert config.admission.by_name("gold").ttft_s == 0.5  # type: ignore[union-attr]
+    assert load_router_config(None, {"workers": "a:1,b:2"}).workers == ("a:1", "b:2")
+    path.write_text("[router]\nwrokers = []\n")
+    with pytest.raises(ValueError, match="wrokers"):
+        load_router_config(path)
+    path.write_text("[routr]\n")
+    with pytest.raises(ValueError, match="routr"):
+        load_router_config(path)
+    for bad in ({"policy": "fastest"}, {"workers": "nocolon"}, {"store": "x"}, {"port": 70000}):
+        with pytest.raises(ValueError):
+            load_router_config(None, bad)
+
+
+def test_one_table_maps_every_error_kind() -> None:
+    assert set(STATUS) == set(ErrorKind)
+    want = {
+        ErrorKind.invalid_request: 400,
+        ErrorKind.context_length: 400,
+        ErrorKind.unknown_model: 404,
+        ErrorKind.rate_limited: 429,
+        ErrorKind.no_worker: 503,
+        ErrorKind.overloaded: 503,
+    }
+    assert {k: STATUS[k][0] for k in want} == want
+    error = HttpError(ErrorKind.rate_limited, "slow down", retry_after_s=1.2, param="x")
+    assert headers_of(error) == {"Retry-After": "2"}
+    assert headers_of(HttpError(ErrorKind.no_worker, "none", retry_after_s=0.01)) == {
+        "Retry-After": "1"
+    }
+    assert headers_of(HttpError(ErrorKind.invalid_request, "bad")) == {}
+    body = error_body(error)
+    assert body == {
+        "error": {
+            "message": "slow down",
+            "type": "rate_limit_error",
+            "param": "x",
+            "code": "rate_limit_exceeded",
+        }
+    }
+    events = sse_error(error).split("\n\n")
+    assert json.loads(events[0].removeprefix("data: ")) == body
+    assert events[1] == "data: [DONE]"
+
+
+def test_request_models_refuse_what_cannot_be_served() -> None:
+    ok = {"model": "m", "prompt": "hi"}
+    assert CompletionRequest.model_validate({**ok, "unknown_field": 1}).prompt == "hi"
+    for bad in (
+        {"n": 2},
+        {"prompt": ""},
+        {"prompt": []},
+        {"prompt": [-1]},
+        {"temperature": -0.5},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"max_tokens": 0},
+        {"stop": [""]},
+        {"stop": ["s"] * 17},
+        {"model": ""},
+    ):
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({**ok, **bad})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": []})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "wizard", "content": "x"}]}
+        )
+
+
+def test_chat_template_of_the_preset(tiny_checkpoint: Path) -> None:
+    from engine.checkpoint import load_checkpoint
+
+    text = ModelText.from_dir(tiny_checkpoint)
+    assert text.fingerprint == load_checkpoint(tiny_checkpoint).fingerprints.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = text.render_chat("m", messages)
+    assert rendered == "<|bos|><|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
+    ids = text.chat_ids("m", messages)
+    assert ids[0] == text.inner.token_to_id("<|bos|>") and ids.count(ids[0]) == 1
+    bare = ModelText((tiny_checkpoint / "tokenizer.json").read_bytes())
+    with pytest.raises(ChatTemplateMissing):
+        bare.render_chat("m", messages)
+
+
+def test_the_shell_never_loads_torch() -> None:
+    code = (
+        "import sys\n"
+        "import engine.router.app, engine.router.service, engine.router.cli\n"
+        "import engine.router.dispatch, engine.router.registry, engine.router.up\n"
+        "heavy = sorted(m for m in ('torch', 'triton') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == ""
