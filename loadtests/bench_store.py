@@ -127,16 +127,49 @@ def engine_accepts(
     )
 
 
-def time_calls(fn: Callable[[int], None], iters: int, warmup: int = 1) -> list[float]:
-    """Seconds of each of `iters` calls fn(0..iters-1), after fn(-1..-warmup) untimed."""
-    for i in range(warmup):
-        fn(-1 - i)
-    out = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn(i)
-        out.append(time.perf_counter() - t0)
-    return out
+def round_indices(r: int, k: int) -> tuple[range, range]:
+    """Call indices of round r of k timed calls: two untimed warm-up calls, then the k timed."""
+    first = r * (k + 2)
+    return range(first, first + 2), range(first + 2, first + 2 + k)
+
+
+class Samples:
+    """Seconds per call of every measurement, gathered over rounds that interleave all of them
+    (so a machine whose load changes from one minute to the next slows each side alike)."""
+
+    def __init__(self) -> None:
+        self._secs: dict[tuple[str, str, int, str], list[float]] = {}
+
+    def time(
+        self,
+        name: str,
+        shape: str,
+        nbytes: int,
+        cost: str,
+        fn: Callable[[int], None],
+        timed: Sequence[int],
+        warm: Sequence[int] = (),
+    ) -> None:
+        """Call fn(i) for each i of `warm` untimed, then of `timed`, timing each call."""
+        for i in warm:
+            fn(i)
+        out = self._secs.setdefault((name, shape, nbytes, cost), [])
+        for i in timed:
+            t0 = time.perf_counter()
+            fn(i)
+            out.append(time.perf_counter() - t0)
+
+    def rows(self) -> list[Timing]:
+        """One row per measurement, in the order first timed; ratios to the same shape's memcpy."""
+        memcpy = {
+            shape: summarize(name, shape, n, secs, None).gb_per_s
+            for (name, shape, n, _), secs in self._secs.items()
+            if name == "memcpy"
+        }
+        return [
+            summarize(name, shape, n, secs, None if name == "memcpy" else memcpy.get(shape), cost)
+            for (name, shape, n, cost), secs in self._secs.items()
+        ]
 
 
 def summarize(
@@ -204,7 +237,7 @@ class ShapeData:
         self.dst[a : a + self.nbytes] = bytes(self.nbytes)
 
 
-def bench_memcpy(data: ShapeData, iters: int) -> list[Timing]:
+def bench_memcpy(data: ShapeData, timed: Sequence[int], samples: Samples) -> None:
     def memcpy(i: int) -> None:
         for s, d in zip(data.src_pages(i), data.dst_pages(i), strict=True):
             d[:] = s
@@ -213,22 +246,22 @@ def bench_memcpy(data: ShapeData, iters: int) -> list[Timing]:
         for s, d in zip(data.src_pages(0), data.dst_pages(0), strict=True):
             d[:] = s
 
-    return [
-        summarize("memcpy", data.shape, data.nbytes, time_calls(memcpy, iters), None),
-        summarize(
-            "memcpy (cache-hot, reference)", data.shape, data.nbytes,
-            time_calls(memcpy_hot, iters), None,
-        ),
-    ]
+    samples.time("memcpy", data.shape, data.nbytes, "", memcpy, timed)
+    samples.time("memcpy (cache-hot, reference)", data.shape, data.nbytes, "", memcpy_hot, timed)
 
 
 def bench_strata_path(
-    label: str, client: StoreClient, data: ShapeData, iters: int, base: float
-) -> list[Timing]:
-    """Put and get as paid and bare on one path (see the module docstring)."""
+    label: str,
+    client: StoreClient,
+    data: ShapeData,
+    warm: Sequence[int],
+    timed: Sequence[int],
+    samples: Samples,
+) -> None:
+    """Put and get as paid and bare on one path, one round (see the module docstring)."""
     paid_scope = scope_for(data.page_bytes, f"{data.shape}-paid")
     bare_scope = scope_for(data.page_bytes, f"{data.shape}-bare")
-    calls = range(-2, iters)
+    calls = [*warm, *timed]
     tokens = {i: data.tokens(i) for i in calls}
     paid_keys = {i: page_keys(paid_scope, tokens[i]) for i in calls}
     bare_pages = {i: build_pages(bare_scope, tokens[i], data.src_pages(i)) for i in calls}
@@ -256,50 +289,62 @@ def bench_strata_path(
         if got.hit_count != data.count:
             raise RuntimeError(f"{label} get found {got.hit_count} of {data.count} pages")
 
-    rows = [summarize(f"{label} put", shape, n, time_calls(put_paid, iters, 2), base, AS_PAID)]
-    rows.append(summarize(f"{label} get", shape, n, time_calls(get_paid, iters), base, AS_PAID))
-    last = iters - 1
+    last = timed[-1]
+    samples.time(f"{label} put", shape, n, AS_PAID, put_paid, timed, warm)
+    samples.time(f"{label} put", shape, n, BARE, put_bare, timed, warm)
+    data.clear_dst(last)
+    samples.time(f"{label} get", shape, n, AS_PAID, get_paid, timed, timed[:1])
     if not data.same(last):
         raise RuntimeError(f"{label} get returned wrong bytes")
     data.clear_dst(last)
-    rows.append(summarize(f"{label} get", shape, n, time_calls(get_bare, iters), base, BARE))
+    samples.time(f"{label} get", shape, n, BARE, get_bare, timed, timed[:1])
     if not data.same(last):
         raise RuntimeError(f"{label} bare get returned wrong bytes")
     client.delete(scope=paid_scope)
-    rows.insert(1, summarize(f"{label} put", shape, n, time_calls(put_bare, iters, 2), base, BARE))
     client.delete(scope=bare_scope)
-    return rows
 
 
 def bench_mooncake_path(
-    label: str, peer: mooncake.MooncakeClient, data: ShapeData, iters: int, base: float
-) -> list[Timing]:
-    """Mooncake's zero-copy batch put and get of the same pages from the same buffers."""
-    src, dst = peer.register(data.src), peer.register(data.dst)
-    calls = range(-2, iters)
+    label: str,
+    peer: mooncake.MooncakeClient,
+    bases: tuple[int, int],
+    data: ShapeData,
+    warm: Sequence[int],
+    timed: Sequence[int],
+    samples: Samples,
+) -> None:
+    """Mooncake's zero-copy batch put and get of the same pages from the same buffers (`bases`:
+    the addresses of `data`'s source and destination arenas, registered with `peer`)."""
+    src, dst = bases
+    calls = [*warm, *timed]
     keys = {i: [f"{data.shape}-{i}-{j}" for j in range(data.count)] for i in calls}
     src_at = {i: [src + data.offset(i, j) for j in range(data.count)] for i in calls}
     dst_at = {i: [dst + data.offset(i, j) for j in range(data.count)] for i in calls}
     sizes = [data.page_bytes] * data.count
+    last = timed[-1]
     try:
-        put = summarize(
-            f"{label} put", data.shape, data.nbytes,
-            time_calls(lambda i: peer.put(keys[i], src_at[i], sizes), iters, 2), base,
+        samples.time(
+            f"{label} put", data.shape, data.nbytes, "",
+            lambda i: peer.put(keys[i], src_at[i], sizes), timed, warm,
         )
-        data.clear_dst(iters - 1)
-        get = summarize(
-            f"{label} get", data.shape, data.nbytes,
-            time_calls(lambda i: peer.get(keys[i], dst_at[i], sizes), iters), base,
+        data.clear_dst(last)
+        samples.time(
+            f"{label} get", data.shape, data.nbytes, "",
+            lambda i: peer.get(keys[i], dst_at[i], sizes), timed, timed[:1],
         )
-        if not data.same(iters - 1):
+        if not data.same(last):
             raise mooncake.PeerFailed(f"{label} get returned wrong bytes")
     finally:
         peer.clear()
-        peer.unregister_all()
-    return [put, get]
 
 
-def bench_lookup(label: str, client: StoreClient, iters: int) -> list[Timing]:
+Call = tuple[str, str, Callable[[int], None]]  # (row name, batch, the call)
+
+
+@contextlib.contextmanager
+def lookup_calls(label: str, client: StoreClient) -> Iterator[list[Call]]:
+    """A stored 512-page chain and the calls that time it: a lookup of it all, a lookup whose
+    first page is missing, and a get of one missing page. Deleted on exit."""
     scope = scope_for(64 << 10, "lookup")
     payload = [bytearray(64 << 10)] * 512
     tokens = list(range(512 * PAGE_TOKENS))
@@ -308,6 +353,7 @@ def bench_lookup(label: str, client: StoreClient, iters: int) -> list[Timing]:
         client.put(scope, pages[start : start + 64])
     keys = [p.header.key for p in pages]
     miss_keys = [bytes(16), *keys[1:]]
+    buf = [bytearray(64 << 10)]
 
     def hit(_: int) -> None:
         if client.lookup(scope, keys).hit_count != 512:
@@ -317,26 +363,38 @@ def bench_lookup(label: str, client: StoreClient, iters: int) -> list[Timing]:
         if client.lookup(scope, miss_keys).hit_count != 0:
             raise RuntimeError("lookup hit a missing key")
 
-    buf = [bytearray(64 << 10)]
-
     def get_miss(_: int) -> None:
         if client.get(scope, [bytes(16)], buf).hit_count:
             raise RuntimeError("get of a missing key hit")
 
-    out = [
-        summarize(f"{label} lookup 512 hit", "512 keys", 0, time_calls(hit, iters, 5), None),
-        summarize(f"{label} lookup 512 miss", "512 keys", 0, time_calls(miss, iters, 5), None),
-        summarize(f"{label} get miss", "1 key", 0, time_calls(get_miss, iters, 5), None),
-    ]
-    client.delete(scope=scope)
-    return out
+    try:
+        yield [
+            (f"{label} lookup 512 hit", "512 keys", hit),
+            (f"{label} lookup 512 miss", "512 keys", miss),
+            (f"{label} get miss", "1 key", get_miss),
+        ]
+    finally:
+        client.delete(scope=scope)
 
 
-def bench_mooncake_lookup(label: str, peer: mooncake.MooncakeClient, iters: int) -> list[Timing]:
-    """Mooncake's `batch_is_exist` of 512 keys (all present; first missing), a missing get."""
+@contextlib.contextmanager
+def mooncake_lookup_calls(label: str, peer: mooncake.MooncakeClient) -> Iterator[list[Call]]:
+    """512 stored objects and Mooncake's calls for the same three measurements: `batch_is_exist`
+    of all 512 keys (then the present prefix, as an engine would use it), of the 512 with the
+    first missing, and a get of one missing key. Removed on exit."""
     arena = bytearray(512 * (64 << 10))
     base = peer.register(arena)
     keys = [f"lookup-{j}" for j in range(512)]
+    miss_keys = ["lookup-missing", *keys[1:]]
+
+    def hit(_: int) -> None:
+        if peer.present(keys) != 512:
+            raise mooncake.PeerFailed("batch_is_exist missed a stored key")
+
+    def miss(_: int) -> None:
+        if peer.present(miss_keys) != 0:
+            raise mooncake.PeerFailed("batch_is_exist found a missing key")
+
     try:
         for start in range(0, 512, 64):
             peer.put(
@@ -344,28 +402,14 @@ def bench_mooncake_lookup(label: str, peer: mooncake.MooncakeClient, iters: int)
                 [base + j * (64 << 10) for j in range(start, start + 64)],
                 [64 << 10] * 64,
             )
-        miss_keys = ["lookup-missing", *keys[1:]]
-
-        def hit(_: int) -> None:
-            if peer.present(keys) != 512:
-                raise mooncake.PeerFailed("batch_is_exist missed a stored key")
-
-        def miss(_: int) -> None:
-            if peer.present(miss_keys) != 0:
-                raise mooncake.PeerFailed("batch_is_exist found a missing key")
-
-        out = [
-            summarize(f"{label} lookup 512 hit", "512 keys", 0, time_calls(hit, iters, 5), None),
-            summarize(f"{label} lookup 512 miss", "512 keys", 0, time_calls(miss, iters, 5), None),
-            summarize(
-                f"{label} get miss", "1 key", 0,
-                time_calls(lambda _: peer.get_missing("missing", base, 64 << 10), iters, 5), None,
-            ),
+        yield [
+            (f"{label} lookup 512 hit", "512 keys", hit),
+            (f"{label} lookup 512 miss", "512 keys", miss),
+            (f"{label} get miss", "1 key", lambda _: peer.get_missing("missing", base, 64 << 10)),
         ]
     finally:
         peer.clear()
-        peer.unregister_all()
-    return out
+        peer.unregister(base)
 
 
 def drop_page_cache() -> bool:
@@ -505,25 +549,34 @@ def bench_full_store(folder: Path, dram_mib: int, factor: int, shape: str, worki
 
 def bench_ucx(folder: Path, ns: argparse.Namespace) -> list[Timing]:
     """The remote UCX path, on a daemon of its own with its UCX listener on (memcpy re-measured
-    in the same run, so its ratios are side by side too)."""
-    rows: list[Timing] = []
+    in the same run and rounds, so its ratios are side by side too)."""
+    samples = Samples()
     with DaemonProcess(folder, dram="2GiB", ssd="0", extra=["--set", "server.ucx=true"]) as daemon:
         client = StoreClient(daemon.address, shared_memory=False, tcp=False, timeout_s=60)
         try:
             client.connect()
             if client.transport != "ucx":
                 print("  (no UCX data path here: ucxx is missing or unusable)", flush=True)
-                return rows
+                return []
             for shape in ns.shapes.split(","):
                 count, page_bytes = SHAPES[shape]
                 print(f"  UCX: {count} x {shape} pages ...", flush=True)
                 data = ShapeData(shape, count, page_bytes, ns.working_set_mib << 20)
-                base = bench_memcpy(data, ns.iters)
-                rows += [dataclasses.replace(r, name=f"{r.name} [UCX run]") for r in base]
-                rows += bench_strata_path("remote UCX", client, data, ns.iters, base[0].gb_per_s)
+                for r in range(ns.rounds):
+                    warm, timed = round_indices(r, per_round(ns))
+                    bench_memcpy(data, timed, samples)
+                    bench_strata_path("remote UCX", client, data, warm, timed, samples)
         finally:
             client.close()
-    return rows
+    return [
+        dataclasses.replace(r, name=f"{r.name} [UCX run]") if r.name.startswith("memcpy") else r
+        for r in samples.rows()
+    ]
+
+
+def per_round(ns: argparse.Namespace) -> int:
+    """Timed calls of each measurement in one round (`--iters` spread over `--rounds`)."""
+    return max(1, -(-ns.iters // ns.rounds))
 
 
 # Strata's row against Mooncake's: (comparison, Strata row, Mooncake row).
@@ -594,10 +647,14 @@ def print_ratios(ratios: Sequence[MooncakeRatio]) -> None:
 
 
 @contextlib.contextmanager
-def mooncake_peers(folder: Path, segment_bytes: int) -> Iterator[tuple[mooncake.MooncakeClient, mooncake.MooncakeClient]]:
+def mooncake_peers(
+    folder: Path, segment_bytes: int
+) -> Iterator[tuple[mooncake.MooncakeClient, mooncake.MooncakeClient]]:
     """Mooncake's master and storage process on loopback, and two clients here: one with its
     storage in this process (same-host), one without (remote, over Mooncake's TCP transport).
-    Mooncake's native log goes to `folder`/mooncake-native.log meanwhile."""
+    Both storages are written through once before anything is timed (Strata's DRAM segment is
+    mapped populated, so neither side's timed calls pay first-touch page faults). Mooncake's
+    native log goes to `folder`/mooncake-native.log meanwhile."""
     folder.mkdir(parents=True, exist_ok=True)
     with (
         mooncake.native_log_to(folder / "mooncake-native.log"),
@@ -608,6 +665,8 @@ def mooncake_peers(folder: Path, segment_bytes: int) -> Iterator[tuple[mooncake.
         try:
             remote = mooncake.MooncakeClient(master.address, 0)
             try:
+                for peer in (local, remote):
+                    peer.prime(segment_bytes * 4 // 5)
                 yield local, remote
             finally:
                 remote.close()
@@ -616,11 +675,19 @@ def mooncake_peers(folder: Path, segment_bytes: int) -> Iterator[tuple[mooncake.
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="strata bench store", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="strata bench store", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--iters", type=int, default=15, help="timed calls per measurement")
+    p.add_argument(
+        "--rounds", type=int, default=3,
+        help="the timed calls are spread over this many rounds, each running every measurement",
+    )
     p.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
-    p.add_argument("--ssd-pages", type=int, default=128, help="1 MiB pages for the SSD read test (0 = skip)")
+    p.add_argument(
+        "--ssd-pages", type=int, default=128, help="1 MiB pages for the SSD read test (0 = skip)"
+    )
     p.add_argument(
         "--working-set-mib", type=int, default=256,
         help="buffers rotate over at least this much memory per side, beyond the CPU cache",
@@ -630,8 +697,12 @@ def main(argv: list[str] | None = None) -> int:
         "--full-dram-mib", type=int, default=512,
         help="DRAM of the full-store run's daemon (0 = skip that run)",
     )
-    p.add_argument("--full-factor", type=int, default=3, help="the full-store run puts this many times its DRAM")
-    p.add_argument("--full-shape", default="1MiB", choices=list(SHAPES), help="pages of the full-store run")
+    p.add_argument(
+        "--full-factor", type=int, default=3, help="the full-store run puts this many times its DRAM"
+    )
+    p.add_argument(
+        "--full-shape", default="1MiB", choices=list(SHAPES), help="pages of the full-store run"
+    )
     p.add_argument(
         "--no-ucx", dest="ucx", action="store_false",
         help="skip the remote UCX rows (measured on a second daemon with its UCX listener on)",
@@ -646,18 +717,22 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ns.shapes.split(",")
     if unknown := [s for s in shapes if s not in SHAPES]:
         p.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    if ns.iters < 1 or ns.rounds < 1:
+        p.error("--iters and --rounds must be at least 1")
     folder = ns.dir or Path(tempfile.mkdtemp(prefix="strata-bench-"))
-    peer_status = {"asked": bool(ns.against), "measured": False, "note": ""}
+    peer_status: dict[str, object] = {"asked": bool(ns.against), "measured": False, "note": ""}
     if ns.against:
         reason = mooncake.missing_reason()
         if reason is not None:
             peer_status["note"] = reason
             print(f"strata bench store: {reason}\n  Comparing with memcpy alone.", flush=True)
     use_mooncake = bool(ns.against) and not peer_status["note"]
+    k = per_round(ns)
+    samples = Samples()
     rows: list[Timing] = []
     print(f"strata bench store: daemon in its own process, state in {folder}", flush=True)
     largest = max(SHAPES[s][0] * SHAPES[s][1] for s in shapes)
-    segment_bytes = max(64 << 20, (ns.iters + 3) * largest * 5 // 4)
+    segment_bytes = max(64 << 20, (k + 3) * largest * 5 // 4)
     with contextlib.ExitStack() as stack:
         daemon = stack.enter_context(DaemonProcess(folder, dram=ns.dram, ssd="2GiB"))
         shm = StoreClient(daemon.address, shared_memory=True, ucx=False, timeout_s=60)
@@ -677,22 +752,36 @@ def main(argv: list[str] | None = None) -> int:
             peers = [("mooncake same-host", local), ("mooncake remote", remote)]
         for shape in shapes:
             count, page_bytes = SHAPES[shape]
-            print(f"  {count} x {shape} pages ...", flush=True)
+            print(f"  {count} x {shape} pages, {ns.rounds} rounds ...", flush=True)
             data = ShapeData(shape, count, page_bytes, ns.working_set_mib << 20)
-            base = bench_memcpy(data, ns.iters)
-            rows += base
-            for label, client in paths:
-                rows += bench_strata_path(label, client, data, ns.iters, base[0].gb_per_s)
-            for label, peer in peers:
-                rows += bench_mooncake_path(label, peer, data, ns.iters, base[0].gb_per_s)
+            bases = {label: (peer.register(data.src), peer.register(data.dst)) for label, peer in peers}
+            for r in range(ns.rounds):
+                warm, timed = round_indices(r, k)
+                bench_memcpy(data, timed, samples)
+                for label, client in paths:
+                    bench_strata_path(label, client, data, warm, timed, samples)
+                for label, peer in peers:
+                    bench_mooncake_path(label, peer, bases[label], data, warm, timed, samples)
+            for _, peer in peers:
+                peer.unregister_all()
             del data
         print("  lookups ...", flush=True)
-        lookup_iters = max(ns.iters, 50)
-        rows += bench_lookup("same-host", shm, lookup_iters)
-        rows += bench_lookup("remote TCP", tcp_client, lookup_iters)
-        for label, peer in peers:
-            rows += bench_mooncake_lookup(label, peer, lookup_iters)
+        with contextlib.ExitStack() as lookups:
+            calls = [
+                call
+                for label, client in paths[:2]
+                for call in lookups.enter_context(lookup_calls(label, client))
+            ] + [
+                call
+                for label, peer in peers
+                for call in lookups.enter_context(mooncake_lookup_calls(label, peer))
+            ]
+            lookup_k = max(k, -(-50 // ns.rounds))
+            for _ in range(ns.rounds):
+                for name, batch, fn in calls:
+                    samples.time(name, batch, 0, "", fn, range(lookup_k), range(2))
         peer_status["measured"] = bool(peers)
+        rows += samples.rows()
         if ns.ssd_pages:
             print("  SSD tier ...", flush=True)
             rows += bench_ssd(grpc_client, shm, folder, ns.ssd_pages)

@@ -243,6 +243,12 @@ class MooncakeClient:
         self._pinned.append((base, view))
         return base
 
+    def unregister(self, base: int) -> None:
+        """Unregister the buffer `register` returned `base` for (its arena may be freed after)."""
+        for entry in [e for e in self._pinned if e[0] == base]:
+            self.store.unregister_buffer(base)
+            self._pinned.remove(entry)
+
     def unregister_all(self) -> None:
         """Unregister every buffer `register` registered (their arenas may be freed after)."""
         pinned, self._pinned = self._pinned, []
@@ -273,6 +279,20 @@ class MooncakeClient:
                 break
             found += 1
         return found
+
+    def prime(self, total_bytes: int) -> None:
+        """Write `total_bytes` of 4 MiB objects through this client once and remove them, so its
+        storage (here or in the holder) has been touched before anything is timed."""
+        size, batch = 4 << 20, 16
+        arena = bytearray(size * batch)
+        base = self.register(arena)
+        try:
+            for n in range(max(1, total_bytes // (size * batch))):
+                keys = [f"prime-{n}-{j}" for j in range(batch)]
+                self.put(keys, [base + j * size for j in range(batch)], [size] * batch)
+        finally:
+            self.clear()
+            self.unregister(base)
 
     def clear(self) -> None:
         """Remove every object (forced: leases and replication tasks are not waited for)."""
