@@ -203,7 +203,7 @@ def test_example_clusters_load(tmp_path: Path) -> None:
     with pytest.raises(ClusterError, match="xPyD"):
         load_cluster(bad)
     bad.write_text('time_model = "x.json"\ncolocated = 2\n[store]\nmode = "shared"\n')
-    with pytest.raises(ClusterError, match="store.mode"):
+    with pytest.raises(ClusterError, match=r"store\.mode"):
         load_cluster(bad)
 
 
