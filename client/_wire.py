@@ -178,7 +178,16 @@ def node_info_from_proto(msg: pb.NodeInfoResponse) -> NodeInfo:
             chunk_bytes=lim.chunk_bytes,
             lease_ttl_ms=lim.lease_ttl_ms,
         ),
-        segments=tuple(Segment(tier_of(s.tier), s.name, s.size_bytes) for s in msg.segments),
+        segments=tuple(
+            Segment(
+                tier_of(s.tier),
+                s.name,
+                s.size_bytes,
+                s.generations_offset,
+                s.generation_granule_bytes,
+            )
+            for s in msg.segments
+        ),
         local_address=msg.local_address,
         ucx_address=msg.ucx_address,
         tcp_address=msg.tcp_address,

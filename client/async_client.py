@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar, cast
@@ -343,6 +344,7 @@ class AsyncStoreClient:
             scope=scope.encode(),
             headers=[p.header.encode() for p in pages],
             io_class=io_class_value(io),
+            client_pid=os.getpid(),
         )
         reply = await self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
         await self._check_segments(conn, reply.lease_id)

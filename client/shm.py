@@ -8,6 +8,14 @@ bytes objects.
 
 A daemon that restarts creates a new segment file; `SegmentMap.is_current()` tells whether the
 file under the name is still the one mapped, so a client never copies through a stale map.
+
+The read fence: after the slots, the segment holds a table of slot generations (one counter per
+granule; the daemon advances a slot's counter whenever it frees the slot). A get copies a page
+out, then reads its slot's counter: a value other than the one the Acquire reply named means
+the slot was freed meanwhile (this process stalled past its lease) and perhaps reused, so the
+copy may hold another page's bytes: the page is a miss, whether or not `verify` is on. Writers
+need no check here: the daemon quarantines an expired reservation's slots until this process
+is done with them (kvstore/fence.py).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ SHM_DIR = "/dev/shm"
 class SegmentMap:
     """One daemon segment mapped read-write into this process. Close it when done."""
 
-    __slots__ = ("_identity", "_mmap", "_view", "path", "segment")
+    __slots__ = ("_gens", "_granule", "_identity", "_mmap", "_view", "path", "segment")
 
     def __init__(self, segment: Segment, path: str, mapped: mmap.mmap, identity: tuple[int, int]):
         self.segment = segment
@@ -42,6 +50,21 @@ class SegmentMap:
         self._mmap: mmap.mmap | None = mapped
         self._view: memoryview | None = memoryview(mapped)
         self._identity = identity
+        self._gens: memoryview | None = None
+        self._granule = segment.generation_granule_bytes
+        start = segment.generations_offset
+        if start and self._granule > 0 and start % 8 == 0 and start < segment.size_bytes:
+            count = (segment.size_bytes - start) // 8
+            self._gens = self._view[start : start + count * 8].cast("Q")
+
+    def generation(self, offset: int) -> int | None:
+        """The daemon's generation counter of the slot at `offset`, or None when the segment has
+        no generation table (an older daemon) or the offset is outside it."""
+        gens = self._gens
+        if gens is None:
+            return None
+        i = offset // self._granule
+        return int(gens[i]) if 0 <= i < len(gens) else None
 
     @property
     def size_bytes(self) -> int:
@@ -72,8 +95,10 @@ class SegmentMap:
 
     def close(self) -> None:
         """Unmap. Idempotent. Views handed out earlier keep the memory alive until released."""
-        view, mapped = self._view, self._mmap
-        self._view = self._mmap = None
+        view, mapped, gens = self._view, self._mmap, self._gens
+        self._view = self._mmap = self._gens = None
+        if gens is not None:
+            gens.release()
         if view is not None:
             view.release()
         if mapped is not None:
@@ -195,7 +220,7 @@ def write_reserved(
     statuses: list[PutStatus] = []
     for i, (slot, payload) in enumerate(zip(reply.slots, payloads, strict=True)):
         if not slot.reserved:
-            statuses.append(PutStatus.ALREADY_PRESENT)
+            statuses.append(PutStatus.PENDING if slot.pending else PutStatus.ALREADY_PRESENT)
             continue
         if reply.lease_id == 0:
             raise malformed("slots reserved without a lease")
@@ -261,7 +286,9 @@ def read_acquired(
                 header, why = None, str(exc)
             else:
                 header, why = raw, ""
-                if verify and payload_checksum(target) != checked_payload_checksum(raw):
+                if seg.generation(page.offset) not in (page.generation, None):
+                    header, why = None, "the slot was freed during the copy (lease ran out)"
+                elif verify and payload_checksum(target) != checked_payload_checksum(raw):
                     header, why = None, "payload checksum mismatch"
         else:  # the slow path names exactly what is wrong (or accepts what quick_check cannot)
             header, why = _copy_out(page, maps, scope.digest, keys[i], into[i], verify)
@@ -298,6 +325,8 @@ def _copy_out(
         return None, str(exc)
     target = dest[:size]
     target[:] = source
+    if seg.generation(page.offset) not in (page.generation, None):
+        return None, "the slot was freed during the copy (lease ran out)"
     if verify:
         try:
             header.verify_payload(target)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -394,6 +395,7 @@ class StoreClient:
             scope=scope.encode(),
             headers=[p.header.encode() for p in pages],
             io_class=io_class_value(io),
+            client_pid=os.getpid(),
         )
         reply = self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
         self._check_segments(conn, reply.lease_id)
@@ -431,6 +433,7 @@ class StoreClient:
                     scope=scope.encode(),
                     headers=[p.header.encode() for p in part],
                     io_class=io_class_value(io),
+                    client_pid=os.getpid(),
                 ),
                 timeout,
             )

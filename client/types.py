@@ -42,6 +42,9 @@ class PutStatus(IntEnum):
 
     STORED = 1
     ALREADY_PRESENT = 2
+    # Not stored: another client's reservation is writing this key right now. Retry later: the
+    # key is free again when that write commits (then ALREADY_PRESENT) or its lease ends.
+    PENDING = 3
 
 
 class EventKind(IntEnum):
@@ -81,6 +84,8 @@ class Segment:
     tier: Tier
     name: str
     size_bytes: int
+    generations_offset: int = 0  # where the slot generation table starts (0: none)
+    generation_granule_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,6 +130,9 @@ class LimitsConfig:
     chunk_bytes: int = 4 << 20
     lease_ttl_ms: int = 30_000
     max_lease_ttl_ms: int = 600_000
+    # The slots of an expired same-host reservation whose writer process the daemon cannot see
+    # (another PID namespace) are freed after this long; see kvstore/fence.py.
+    quarantine_max_ms: int = 3_600_000
 
 
 @dataclass(frozen=True, slots=True)

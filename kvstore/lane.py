@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 
@@ -40,10 +41,12 @@ class _Abort(Exception):
 
 
 class _LaneContext:
-    """The slice of grpc.ServicerContext that unary StoreService handlers use."""
+    """The slice of grpc.ServicerContext that unary StoreService handlers use, plus the
+    caller's process id as the kernel reports it (`peer_pid`, 0 when unknown)."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer_pid: int = 0) -> None:
         self.retry_after_ms = 0
+        self.peer_pid = peer_pid
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Abort(code, details)
@@ -120,13 +123,14 @@ class LaneServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            peer_pid = _peer_pid(conn)
             while True:
                 length, method, flags, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
                 if length > self._max_frame:
                     log.warning("lane frame of %d bytes exceeds the limit; closing", length)
                     return
                 payload = bytes(recv_exact(conn, length)) if length else b""
-                status, retry_ms, body = self._dispatch(method, payload)
+                status, retry_ms, body = self._dispatch(method, payload, peer_pid)
                 if not flags & ONE_WAY:
                     conn.sendall(RESPONSE.pack(len(body), status, retry_ms) + body)
         except (LaneClosed, OSError):
@@ -136,7 +140,7 @@ class LaneServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _dispatch(self, method: int, payload: bytes) -> tuple[int, int, bytes]:
+    def _dispatch(self, method: int, payload: bytes, peer_pid: int = 0) -> tuple[int, int, bytes]:
         handler = self._handlers.get(method)
         if handler is None:
             return (
@@ -145,7 +149,7 @@ class LaneServer:
                 f"unknown lane method {method}".encode(),
             )
         req_type, fn = handler
-        context = _LaneContext()
+        context = _LaneContext(peer_pid)
         try:
             request = req_type.FromString(payload)
         except Exception as exc:  # protobuf's DecodeError and friends
@@ -162,3 +166,14 @@ class LaneServer:
             log.exception("lane handler %s failed", METHODS[method][0])
             return grpc.StatusCode.INTERNAL.value[0], 0, f"internal error: {exc}".encode()
         return STATUS_OK, 0, reply.SerializeToString()
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    """The connecting process's id in this PID namespace (SO_PEERCRED), 0 when unknown (a peer
+    in a PID namespace this one cannot see is reported as 0 by the kernel)."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return 0
+    pid, _, _ = struct.unpack("3i", raw)
+    return max(int(pid), 0)

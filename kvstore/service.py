@@ -32,6 +32,7 @@ from client.errors import (
 )
 from client.page import PageHeader
 from client.scope import KEY_BYTES, unpack_keys
+from kvstore.fence import probe_holder
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Store
 from kvstore_pb import API_VERSION, store_pb2, store_pb2_grpc
@@ -174,7 +175,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
             ),
             segments=[
                 store_pb2.SharedSegment(
-                    tier=store_pb2.TIER_DRAM, name=dram.segment_name, size_bytes=dram.size_bytes
+                    tier=store_pb2.TIER_DRAM,
+                    name=dram.segment_name,
+                    size_bytes=dram.size_bytes,
+                    generations_offset=dram.generations_offset,
+                    generation_granule_bytes=dram.generation_granule_bytes,
                 )
             ],
             local_address=self.node.local_address,
@@ -267,6 +272,15 @@ class StoreService(store_pb2_grpc.StoreServicer):
                     part = view[off : off + chunk_bytes]
                     with admit(io_class, part.nbytes):
                         message = chunk(i, page.header if off == 0 else b"", off, part)
+                    if dram.generation(page.offset) != page.generation:
+                        # the lease ran out while this stream waited on its reader and the slot
+                        # went to another page: these bytes are not the page's own
+                        with self.store.counters.lock:
+                            self.store.counters.stale_fenced += 1
+                        raise Unavailable(
+                            f"page {i} left its slot while being sent (the reader was slower "
+                            "than its lease); retry"
+                        )
                     yield message
                 sent += page.length
             self.store.counters.add_bytes("grpc", "out", io_class, sent)
@@ -281,8 +295,13 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReserveResponse:
         scope = self.store.scope_of(request.scope)
+        pid = getattr(context, "peer_pid", 0) or request.client_pid  # the lane knows it for sure
         res = self.store.reserve(
-            scope, list(request.headers), request.lease_ms, io_class_from_wire(request.io_class)
+            scope,
+            list(request.headers),
+            request.lease_ms,
+            io_class_from_wire(request.io_class),
+            holder=probe_holder(pid),
         )
         reply = store_pb2.ReserveResponse(
             lease_id=res.lease_id, lease_expires_unix_ms=res.expires_unix_ms
@@ -291,6 +310,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
         for s in res.slots:
             if s.reserved:
                 add(reserved=True, offset=s.offset, length=s.length)
+            elif s.pending:
+                add(pending=True)
             else:
                 add()
         return reply
@@ -325,6 +346,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 offset=page.offset,
                 length=page.length,
                 header=page.header,
+                generation=page.generation,
             )
         self.store.counters.add_bytes("shm", "out", io_class, served)
         return reply
@@ -428,6 +450,7 @@ class _PutWriter:
         self._header: PageHeader | None = None
         self._view: memoryview | None = None
         self._received = 0
+        self._pending = False
 
     def chunk(self, chunk: store_pb2.PageChunk | ChunkView) -> None:
         if chunk.index != self._index:
@@ -460,6 +483,7 @@ class _PutWriter:
         self._header = PageHeader.decode(chunk.header)
         self._received = 0
         slot = res.slots[0]
+        self._pending = slot.pending
         if slot.reserved:
             self._lease = res.lease_id
             self._view = self._store.tiers.dram.view(slot.offset, slot.length)
@@ -477,7 +501,11 @@ class _PutWriter:
                 f"page {self._index}: got {self._received} of {header.payload_bytes} payload bytes"
             )
         if self._view is None:
-            self._statuses.append(store_pb2.PUT_STATUS_ALREADY_PRESENT)
+            self._statuses.append(
+                store_pb2.PUT_STATUS_PENDING
+                if self._pending
+                else store_pb2.PUT_STATUS_ALREADY_PRESENT
+            )
         else:
             try:
                 header.verify_payload(self._view)

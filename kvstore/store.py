@@ -33,6 +33,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.events import EventKind, EventLog
+from kvstore.fence import DAEMON, Holder, Quarantine
 from kvstore.index import Index, PageEntry
 from kvstore.keys import IoClass, Tier
 from kvstore.leases import Lease, LeaseKind, LeaseTable
@@ -60,11 +61,13 @@ class LookupOutcome:
 
 
 class SlotGrant(NamedTuple):  # per page, on the hot path: cheaper to build than a frozen dataclass
-    """Where a client writes one reserved page (`reserved` False: already present, skip it)."""
+    """Where a client writes one reserved page (`reserved` False: skip it; it is already
+    present, or, with `pending`, being written by another reservation now)."""
 
     reserved: bool
     offset: int
     length: int
+    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,7 @@ class HeldPage(NamedTuple):  # per page, on the hot path: cheaper to build than 
     offset: int
     length: int
     header: bytes
+    generation: int  # of the DRAM slot (kvstore/tiers/dram.py): a reader checks it after copying
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,11 @@ class Store:
         self._pending: dict[int, list[_Pending | None]] = {}
         self._pending_class: dict[int, IoClass] = {}  # I/O class each reservation was made in
         self._pending_keys: set[bytes] = set()
+        self._pending_holder: dict[int, Holder] = {}  # who copies into each reservation's slots
         self._doomed: set[bytes] = set()
+        # pages put again while their deleted predecessor is still leased: stored when it goes
+        self._replacing: dict[bytes, _Pending] = {}
+        self.quarantine = Quarantine(config.limits.quarantine_max_ms / 1000.0)
         self._scopes: OrderedDict[bytes, Scope] = OrderedDict()
         self._ssd_pool: ThreadPoolExecutor | None = None
         self.rebuilt_pages = self._rebuild()
@@ -310,12 +318,19 @@ class Store:
         with self._lock:
             for i, planned in enumerate(headers):
                 key = planned.key
-                if key in seen or key in self.index or key in self._pending_keys:
+                if key in seen or not self._writable(key):
                     continue
                 seen.add(key)
                 new.append(i)
                 need += planned.payload_bytes
         return PutPlan(scope, tuple(headers), tuple(new), need)
+
+    def _writable(self, key: bytes) -> bool:
+        """Whether a put of `key` stores anything: not present (a page deleted while leased is
+        not), not being written by a reservation, not waiting to replace one. Lock held."""
+        if key in self._pending_keys or key in self._replacing:
+            return False
+        return key not in self.index or key in self._doomed
 
     def reserve(
         self,
@@ -323,21 +338,21 @@ class Store:
         raw_headers: Sequence[bytes],
         lease_ms: int = 0,
         io_class: IoClass = IoClass.NORMAL,
+        holder: Holder = DAEMON,
     ) -> Reservation:
         """Reserve DRAM slots for the new pages among `raw_headers`. Mutates; takes a RESERVE lease.
 
-        Evicts (demotes) unleased pages as needed. Raises InvalidArgument (see plan_put) or
-        CapacityExhausted — in which case nothing was reserved and nothing else changed.
+        `holder` is who copies into the slots (kvstore/fence.py): the daemon itself, or a
+        same-host client process; if the lease expires, the slots stay quarantined until the
+        holder is done. A page already present is not reserved; one being written by another
+        reservation is not reserved and marked `pending`. Evicts (demotes) unleased pages as
+        needed. Raises InvalidArgument (see plan_put) or CapacityExhausted — in which case
+        nothing was reserved and nothing else changed.
         """
         plan = self.plan_put(scope, raw_headers)
         with self._lock:
             self.reap_leases()
-            new = [
-                i
-                for i in plan.new
-                if plan.headers[i].key not in self.index
-                and plan.headers[i].key not in self._pending_keys
-            ]
+            new = [i for i in plan.new if self._writable(plan.headers[i].key)]
             granted: list[_Pending | None] = [None] * len(plan.headers)
             # every page of a put has its scope's page size: one batch allocation
             offsets = self.tiers.allocate_dram_many(scope.page_payload_bytes, len(new))
@@ -347,12 +362,17 @@ class Store:
             lease = self.leases.grant(LeaseKind.RESERVE, keys, self._ttl_s(lease_ms))
             self._pending[lease.lease_id] = granted
             self._pending_class[lease.lease_id] = io_class
+            self._pending_holder[lease.lease_id] = holder
+            busy = [
+                p is None and h.key in self._pending_keys
+                for p, h in zip(granted, plan.headers, strict=True)
+            ]
             self._pending_keys.update(keys)
         slots = tuple(
             SlotGrant(True, p.offset, p.header.payload_bytes)
             if p is not None
-            else SlotGrant(False, 0, 0)
-            for p in granted
+            else SlotGrant(False, 0, 0, busy[i])
+            for i, p in enumerate(granted)
         )
         return Reservation(lease.lease_id, slots, self._unix_ms(lease))
 
@@ -370,17 +390,23 @@ class Store:
         """
         with self._lock:
             self.reap_leases()
+            if self._late_call(lease_id):
+                raise LeaseExpired(
+                    f"lease {lease_id} expired before its commit: nothing of it was stored"
+                )
             # A read lease handed in by mistake stays as it is (its pages stay pinned until it
             # is released or expires): checked before the lease leaves the table.
             if self.leases.get(lease_id).kind is not LeaseKind.RESERVE:
                 raise LeaseExpired(f"lease {lease_id} is not a write reservation")
             self.leases.release(lease_id)
             granted = self._pending.pop(lease_id, None)
+            self._pending_holder.pop(lease_id, None)
             reserved_class = self._pending_class.pop(lease_id, IoClass.NORMAL)
             io_class = io_class or reserved_class
             if granted is None:
                 raise LeaseExpired(f"lease {lease_id} is not a write reservation")
             entries: list[PageEntry] = []
+            replacing = 0
             committed_bytes = 0
             index = self.index
             for pending in granted:
@@ -390,7 +416,13 @@ class Store:
                 key = header.key
                 committed_bytes += header.payload_bytes
                 self._pending_keys.discard(key)
-                if key in index:  # stored meanwhile by another path
+                if key in self._doomed and key not in self._replacing:
+                    # put again while its deleted predecessor is still leased: stored (and
+                    # visible) when the predecessor's last lease ends
+                    self._replacing[key] = pending
+                    replacing += 1
+                    continue
+                if key in index or key in self._replacing:  # stored meanwhile by another path
                     self.tiers.dram.free(pending.offset)
                     continue
                 # key, parent, scope digest, header, payload bytes, gpu, dram
@@ -416,7 +448,7 @@ class Store:
                 for entry in entries:  # placing one may move others: look each up again
                     self._place(index.get(entry.key), tier, io_class)
             self.counters.add_bytes(path, "in", io_class, committed_bytes)
-            stored = len(entries)
+            stored = len(entries) + replacing
         self.mover.kick_if_above_watermark()
         return stored
 
@@ -437,8 +469,11 @@ class Store:
             log.warning("page %s stays in DRAM, not placed in %s: %s", entry.key.hex(), tier, exc)
 
     def abort(self, lease_id: int) -> bool:
-        """Cancel a reservation (frees its slots). Mutates. False if unknown or expired."""
+        """Cancel a reservation (frees its slots). Mutates. False if unknown or expired (an
+        expired reservation's quarantined slots are freed: its holder is done with them)."""
         with self._lock:
+            if self._late_call(lease_id):
+                return False
             try:
                 lease = self.leases.release(lease_id)
             except LeaseExpired:
@@ -467,6 +502,7 @@ class Store:
         need_ssd: list[int] = []
         hit_tiers: list[Tier] = []
         index, doomed = self.index, self._doomed
+        generation = self.tiers.dram.generation
         with self._lock:
             self.reap_leases()
             misses = 0
@@ -485,7 +521,9 @@ class Store:
                 index.pin(key, hit=True)  # a DRAM hit (maybe also in GPU): served from DRAM now
                 hit = _GPU if entry.gpu is not None else _DRAM
                 hit_tiers.append(hit)
-                held[i] = HeldPage(hit, entry.dram, entry.payload_bytes, entry.header)
+                held[i] = HeldPage(
+                    hit, entry.dram, entry.payload_bytes, entry.header, generation(entry.dram)
+                )
             for _ in range(misses):
                 self._count_miss(Tier.GPU if self.tiers.gpu else Tier.DRAM, through_ssd=True)
             if not slow:
@@ -549,7 +587,13 @@ class Store:
                     assert entry.dram is not None and source is not None
                     index.touch(key)
                     hit_tiers.append(source)
-                    held[i] = HeldPage(source, entry.dram, entry.payload_bytes, entry.header)
+                    held[i] = HeldPage(
+                        source,
+                        entry.dram,
+                        entry.payload_bytes,
+                        entry.header,
+                        self.tiers.dram.generation(entry.dram),
+                    )
                 self._count_hits(hit_tiers)
                 if not pinned:
                     return Acquisition(0, tuple(held), 0)
@@ -636,8 +680,11 @@ class Store:
         return pool
 
     def release(self, lease_id: int) -> bool:
-        """End a lease (read: unpin; reservation: abort). Mutates. False if unknown/expired."""
+        """End a lease (read: unpin; reservation: abort). Mutates. False if unknown/expired
+        (an expired reservation's quarantined slots are freed: its holder is done with them)."""
         with self._lock:
+            if self._late_call(lease_id):
+                return False
             try:
                 lease = self.leases.release(lease_id)
             except LeaseExpired:
@@ -656,23 +703,51 @@ class Store:
         with self._lock:
             expired = self.leases.expire_due()
             for lease in expired:
-                self._end_lease(lease)
+                self._end_lease(lease, expired=True)
+            if len(self.quarantine):
+                for offsets in self.quarantine.sweep(self._clock()):
+                    for offset in offsets:
+                        self.tiers.dram.free(offset)
         if expired:
             with self.counters.lock:
                 self.counters.lease_expiries += len(expired)
             log.info("%d leases expired", len(expired))
         return len(expired)
 
-    def _end_lease(self, lease: Lease) -> None:
+    def _end_lease(self, lease: Lease, *, expired: bool = False) -> None:
+        """Free what a lease held. An expired reservation's keys are free at once; its slots
+        are quarantined until its holder is done (kvstore/fence.py). Lock held."""
         if lease.kind is LeaseKind.RESERVE:
             self._pending_class.pop(lease.lease_id, None)
+            holder = self._pending_holder.pop(lease.lease_id, DAEMON)
+            held: list[int] = []
             for pending in self._pending.pop(lease.lease_id, []):
                 if pending is not None:
                     self._pending_keys.discard(pending.header.key)
-                    self.tiers.dram.free(pending.offset)
+                    held.append(pending.offset)
+            if expired and held:
+                self.quarantine.hold(lease.lease_id, holder, tuple(held), self._clock())
+                with self.counters.lock:
+                    self.counters.quarantined_slots += len(held)
+            else:
+                for offset in held:
+                    self.tiers.dram.free(offset)
             return
         for key in lease.keys:
             self._unpin(key)
+
+    def _late_call(self, lease_id: int) -> bool:
+        """The holder of an expired, quarantined reservation called on it: free its slots (its
+        copy is over). True when it was one. Lock held."""
+        offsets = self.quarantine.late_call(lease_id)
+        if offsets is None:
+            return False
+        for offset in offsets:
+            self.tiers.dram.free(offset)
+        with self.counters.lock:
+            self.counters.stale_fenced += 1
+        log.info("late call on expired reservation %d: its %d slots freed", lease_id, len(offsets))
+        return True
 
     def _unpin(self, key: bytes) -> None:
         """Drop one pin; a page deleted while pinned goes when its last pin does. Lock held."""
@@ -688,6 +763,8 @@ class Store:
             if entry.leases == 0:
                 self._doomed.discard(entry.key)
                 self.tiers.drop_corrupt(entry)
+                if self.index.get(entry.key) is None:
+                    self._install_replacement(entry.key)
             else:
                 with self.counters.lock:
                     self.counters.corrupt_dropped += 1
@@ -697,6 +774,27 @@ class Store:
             return
         self._doomed.discard(entry.key)
         self.tiers.drop(entry, reason_tier=None, count_eviction=False)
+        self._install_replacement(entry.key)
+
+    def _install_replacement(self, key: bytes) -> None:
+        """Store the page put while its deleted predecessor was leased (it is gone now)."""
+        pending = self._replacing.pop(key, None)
+        if pending is None:
+            return
+        header = pending.header
+        entry = PageEntry(
+            key,
+            header.parent,
+            header.scope_digest,
+            pending.raw_header,
+            header.payload_bytes,
+            None,
+            pending.offset,
+        )
+        self.index.insert(entry)
+        self.events.publish(
+            EventKind.STORED, key, entry.scope_digest, entry.payload_bytes, None, Tier.DRAM
+        )
 
     # ---- delete, stats ------------------------------------------------------------------------
 
@@ -715,6 +813,11 @@ class Store:
                 self._check_keys(targets)
             deleted = 0
             for key in targets:
+                replacement = self._replacing.pop(key, None)
+                if replacement is not None:  # the page put again after an earlier delete
+                    self.tiers.dram.free(replacement.offset)
+                    deleted += 1
+                    continue
                 entry = self.index.get(key)
                 if entry is None or key in self._doomed:
                     continue
@@ -738,11 +841,15 @@ class Store:
                 1 for key in self.index_keys() if (e := self.index.get(key)) and e.dram is not None
             )
             pending = sum(1 for g in self._pending.values() for p in g if p is not None)
+            pending += len(self._replacing) + self.quarantine.blocks
             if dram_blocks + pending != self.tiers.dram.allocated_blocks:
                 raise RuntimeError(
                     f"DRAM blocks: {self.tiers.dram.allocated_blocks} allocated, "
-                    f"{dram_blocks} resident + {pending} pending"
+                    f"{dram_blocks} resident + {pending} pending, replacing or quarantined"
                 )
+            stray = set(self._pending_holder) - set(self._pending)
+            if stray:
+                raise RuntimeError(f"holders of reservations that are gone: {sorted(stray)}")
 
     def index_keys(self) -> list[bytes]:
         with self._lock:

@@ -236,15 +236,37 @@ class BulkServer:
                 if page.length:
                     views.append(dram.view(page.offset, page.length))
             manifest = encode_manifest(entries)
-            await ep.send(preamble(KIND_MANIFEST, len(entries), len(manifest)))
-            await ep.send(manifest)
             total = sum(v.nbytes for v in views)
             admission = store.scheduler.admit(io, total)
             await asyncio.to_thread(admission.__enter__)
             try:
-                await settle([ep.send(v) for v in views], self._get_timeout_s, ep)
+                # The read fence of the daemon's own copy: the lease is renewed after the
+                # admission wait and the whole send is bounded by half of it, so no slot can be
+                # freed (and reused) while its bytes are still being sent.
+                if acq.lease_id:
+                    try:
+                        await asyncio.to_thread(store.renew, acq.lease_id)
+                    except StrataError as exc:
+                        await self._send_error(ep, exc)
+                        return
+                await settle(
+                    [
+                        ep.send(preamble(KIND_MANIFEST, len(entries), len(manifest))),
+                        ep.send(manifest),
+                        *(ep.send(v) for v in views),
+                    ],
+                    self._get_timeout_s,
+                    ep,
+                )
             finally:
                 admission.__exit__(None, None, None)
+            if any(
+                page is not None and dram.generation(page.offset) != page.generation
+                for page in acq.pages
+            ):  # not reached while the lease holds; if a clock jumped, end the connection
+                with store.counters.lock:
+                    store.counters.stale_fenced += 1
+                raise ProtocolError("a page left its slot while being sent")
             store.counters.add_bytes(path, "out", io, total)
         finally:
             if acq.lease_id:
@@ -296,7 +318,11 @@ class BulkServer:
                 await self._send_error(ep, exc)
                 return
             statuses = bytes(
-                store_pb2.PUT_STATUS_STORED if s.reserved else store_pb2.PUT_STATUS_ALREADY_PRESENT
+                store_pb2.PUT_STATUS_STORED
+                if s.reserved
+                else store_pb2.PUT_STATUS_PENDING
+                if s.pending
+                else store_pb2.PUT_STATUS_ALREADY_PRESENT
                 for s in res.slots
             )
             await ep.send(preamble(KIND_DONE, page_count, len(statuses)))

@@ -78,12 +78,22 @@ class _PutStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PutStatus.V
     PUT_STATUS_UNSPECIFIED: _PutStatus.ValueType  # 0
     PUT_STATUS_STORED: _PutStatus.ValueType  # 1
     PUT_STATUS_ALREADY_PRESENT: _PutStatus.ValueType  # 2
+    PUT_STATUS_PENDING: _PutStatus.ValueType  # 3
+    """Not stored: the key is being written by another client's reservation right now. Retry
+    after a moment: the key is free again when that write commits (then ALREADY_PRESENT) or its
+    lease ends.
+    """
 
 class PutStatus(_PutStatus, metaclass=_PutStatusEnumTypeWrapper): ...
 
 PUT_STATUS_UNSPECIFIED: PutStatus.ValueType  # 0
 PUT_STATUS_STORED: PutStatus.ValueType  # 1
 PUT_STATUS_ALREADY_PRESENT: PutStatus.ValueType  # 2
+PUT_STATUS_PENDING: PutStatus.ValueType  # 3
+"""Not stored: the key is being written by another client's reservation right now. Retry
+after a moment: the key is free again when that write commits (then ALREADY_PRESENT) or its
+lease ends.
+"""
 Global___PutStatus: _TypeAlias = PutStatus  # noqa: Y015
 
 class _EventKind:
@@ -161,20 +171,30 @@ class SharedSegment(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    GENERATIONS_OFFSET_FIELD_NUMBER: _builtins.int
+    GENERATION_GRANULE_BYTES_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     name: _builtins.str
     """a POSIX shared-memory name (a file under /dev/shm)"""
     size_bytes: _builtins.int
+    generations_offset: _builtins.int
+    """Slot generations (the same-host read fence): a table of little-endian uint64 counters at
+    this offset of the segment, one per `generation_granule_bytes` of slot space; the counter of
+    a slot's first granule changes whenever the slot is freed. 0 / 0: no table.
+    """
+    generation_granule_bytes: _builtins.int
     def __init__(
         self,
         *,
         tier: Global___Tier.ValueType = ...,
         name: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
+        generations_offset: _builtins.int = ...,
+        generation_granule_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "size_bytes", b"size_bytes", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation_granule_bytes", b"generation_granule_bytes", "generations_offset", b"generations_offset", "name", b"name", "size_bytes", b"size_bytes", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -492,12 +512,17 @@ class Slot(_message.Message):
     SEGMENT_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
     reserved: _builtins.bool
     """false: the page is already present, nothing to write"""
     segment: _builtins.int
     """index into NodeInfoResponse.segments"""
     offset: _builtins.int
     length: _builtins.int
+    pending: _builtins.bool
+    """Not reserved because another reservation is writing this key now (PUT_STATUS_PENDING);
+    false with `reserved` false: the page is already present.
+    """
     def __init__(
         self,
         *,
@@ -505,10 +530,11 @@ class Slot(_message.Message):
         segment: _builtins.int = ...,
         offset: _builtins.int = ...,
         length: _builtins.int = ...,
+        pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset", "reserved", b"reserved", "segment", b"segment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset", "pending", b"pending", "reserved", b"reserved", "segment", b"segment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -522,11 +548,17 @@ class ReserveRequest(_message.Message):
     HEADERS_FIELD_NUMBER: _builtins.int
     IO_CLASS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    CLIENT_PID_FIELD_NUMBER: _builtins.int
     scope: _builtins.bytes
     """canonical Scope encoding"""
     io_class: Global___IoClass.ValueType
     lease_ms: _builtins.int
     """0 = the node's default"""
+    client_pid: _builtins.int
+    """The writing process (same host): the slots of a reservation that expires stay out of use
+    until this process is gone or makes its late call, so a stalled writer never writes into
+    another page's slot. 0 = unknown (then only the late call, or a long quarantine, frees them).
+    """
     @_builtins.property
     def headers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """one page header per page"""
@@ -538,10 +570,11 @@ class ReserveRequest(_message.Message):
         headers: _abc.Iterable[_builtins.bytes] | None = ...,
         io_class: Global___IoClass.ValueType = ...,
         lease_ms: _builtins.int = ...,
+        client_pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["headers", b"headers", "io_class", b"io_class", "lease_ms", b"lease_ms", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_pid", b"client_pid", "headers", b"headers", "io_class", b"io_class", "lease_ms", b"lease_ms", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -651,6 +684,7 @@ class AcquiredPage(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
     HEADER_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     present: _builtins.bool
     tier: Global___Tier.ValueType
     """the tier it was found in (an SSD page is promoted into DRAM first)"""
@@ -658,6 +692,10 @@ class AcquiredPage(_message.Message):
     offset: _builtins.int
     length: _builtins.int
     header: _builtins.bytes
+    generation: _builtins.int
+    """The slot's generation when it was acquired: a same-host reader that finds another value in
+    the segment's generation table after its copy read a slot reused meanwhile (a miss).
+    """
     def __init__(
         self,
         *,
@@ -667,10 +705,11 @@ class AcquiredPage(_message.Message):
         offset: _builtins.int = ...,
         length: _builtins.int = ...,
         header: _builtins.bytes = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "length", b"length", "offset", b"offset", "present", b"present", "segment", b"segment", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "header", b"header", "length", b"length", "offset", b"offset", "present", b"present", "segment", b"segment", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,10 +15,13 @@ file at once and the unmapping then happens when the last view is released or co
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
 import re
+import struct
 import uuid
 from pathlib import Path
 
@@ -34,6 +37,8 @@ __all__ = [
 ]
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+GENERATION = struct.Struct("=Q")  # one slot generation counter (host byte order: same host)
+_GEN_MASK = (1 << 64) - 1
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +61,14 @@ def ephemeral_segment_name() -> str:
 
 
 def reclaim_ephemeral_segments(folder: Path = SHM_DIR) -> int:
-    """Unlink the ephemeral segments (see `ephemeral_segment_name`) of this user whose daemon
-    process is gone: a daemon killed, or a test run that crashed, leaves its segment behind, and
-    tmpfs keeps its memory until someone removes it. Returns how many were removed."""
+    """Unlink the ephemeral segments (see `ephemeral_segment_name`) of this user that no daemon
+    holds: a daemon killed, or a test run that crashed, leaves its segment behind, and tmpfs
+    keeps its memory until someone removes it. Returns how many were removed.
+
+    A live daemon holds an exclusive `flock` on its segment file for its whole life, so "no
+    daemon holds it" is asked of the kernel, not only read from the pid in the name: a daemon in
+    another PID namespace sharing /dev/shm (a container) has a pid this process cannot see, and
+    its segment is left alone all the same. A segment whose pid runs here is kept too."""
     removed = 0
     try:
         names = os.listdir(folder)
@@ -66,15 +76,23 @@ def reclaim_ephemeral_segments(folder: Path = SHM_DIR) -> int:
         return 0
     for name in names:
         m = _EPHEMERAL.match(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or _alive(int(m.group(1))):  # a pid alive here: kept, held or not
             continue
         path = folder / name
         try:
             if path.stat().st_uid != os.getuid():
                 continue
+        except OSError:
+            continue
+        fd = _lock_if_unheld(path)
+        if fd is None:
+            continue
+        try:
             path.unlink()
         except OSError:
             continue
+        finally:
+            os.close(fd)
         removed += 1
     if removed:
         log.info("dram tier: removed %d segments left by daemons that are gone", removed)
@@ -91,6 +109,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _lock_if_unheld(path: Path) -> int | None:
+    """A descriptor of `path` holding its exclusive flock, or None when a daemon holds the lock
+    (or the file cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class DramTier(SlotSpace):
     """A shared-memory slab of `capacity_bytes` with buddy-allocated slots.
 
@@ -103,7 +136,11 @@ class DramTier(SlotSpace):
         super().__init__(capacity_bytes, min_block_bytes)
         self._name = segment_name
         self._path = segment_path(segment_name)
-        size = self._alloc.capacity_bytes
+        slots = self._alloc.capacity_bytes
+        self._granule = min_block_bytes
+        entries = slots // min_block_bytes
+        table = -(-entries * GENERATION.size // 4096) * 4096
+        size = slots + table  # the slots, then the generation table (same-host read fence)
         fd = self._create_file()
         try:
             os.ftruncate(fd, size)
@@ -123,25 +160,50 @@ class DramTier(SlotSpace):
                 f"cannot size or map shared-memory segment {self._path}: {exc}"
             ) from exc
         self._inode = os.fstat(fd).st_ino
-        os.close(fd)  # the mapping keeps the memory; the descriptor is not needed any more
+        self._lock_fd = fd  # kept open: it holds the segment's flock (see `_create_file`)
         self._whole: memoryview | None = memoryview(self._map)
+        self._size = size
+        # one counter per granule; a slot's counter is the one of its first granule
+        self._gens: memoryview | None = self._whole[slots : slots + entries * 8].cast("Q")
         self._unlinked = False
         log.info("dram tier: segment %s, %d bytes", self._path, size)
 
     def _create_file(self) -> int:
-        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+        """Create the segment file and take its exclusive flock (held for the tier's life: it
+        tells other daemons the segment is in use). A file of that name that no daemon holds is
+        stale and replaced; one a running daemon holds is left alone (Unavailable)."""
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC
         try:
-            return os.open(self._path, flags, 0o600)
+            fd = os.open(self._path, flags, 0o600)
         except FileExistsError:
+            stale = _lock_if_unheld(self._path)
+            if stale is None:
+                raise Unavailable(
+                    f"shared-memory segment {self._path} is in use by a running daemon "
+                    "(choose another dram.segment_name or server.port)"
+                ) from None
             log.warning(
                 "dram tier: replacing stale shared-memory segment %s (left by a crashed daemon?)",
                 self._path,
             )
-            self._path.unlink(missing_ok=True)
-        try:
-            return os.open(self._path, flags, 0o600)
+            try:
+                self._path.unlink(missing_ok=True)
+            finally:
+                os.close(stale)
+            try:
+                fd = os.open(self._path, flags, 0o600)
+            except OSError as exc:
+                raise Unavailable(
+                    f"cannot create shared-memory segment {self._path}: {exc}"
+                ) from exc
         except OSError as exc:
             raise Unavailable(f"cannot create shared-memory segment {self._path}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:  # someone opened the new file and locked it first
+            os.close(fd)
+            raise Unavailable(f"shared-memory segment {self._path} is in use: {exc}") from exc
+        return fd
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -155,8 +217,40 @@ class DramTier(SlotSpace):
 
     @property
     def size_bytes(self) -> int:
-        """Size of the segment file: what a client maps."""
+        """Size of the segment file: what a client maps (the slots, then the generation
+        table)."""
+        return self._size
+
+    @property
+    def generations_offset(self) -> int:
+        """Where the slot generation table starts in the segment (after the slots)."""
         return self._alloc.capacity_bytes
+
+    @property
+    def generation_granule_bytes(self) -> int:
+        return self._granule
+
+    # ---- the slot fence ------------------------------------------------------------------------
+
+    def generation(self, offset: int) -> int:
+        """The generation of the slot at `offset`: it changes every time the slot is freed, so
+        a copy out of a slot that ends with the generation it started with read no reused
+        slot. Read-only, lock free (same-host clients read the same counter in the segment)."""
+        gens = self._gens
+        if gens is None:
+            raise Unavailable(f"dram tier {self._name} is closed")
+        return int(gens[offset // self._granule])
+
+    def free(self, offset: int) -> int:
+        """Release the slot at `offset` and advance its generation (before anyone can be given
+        the slot again); mutates. Returns the slot size. Raises as `SlotSpace.free`."""
+        with self._lock:
+            size = self._alloc.free(offset)
+            gens = self._gens
+            if gens is not None:
+                i = offset // self._granule
+                gens[i] = (gens[i] + 1) & _GEN_MASK
+            return size
 
     @property
     def closed(self) -> bool:
@@ -177,9 +271,10 @@ class DramTier(SlotSpace):
         whole = self._whole
         if whole is None:
             raise Unavailable(f"dram tier {self._name} is closed")
-        if offset < 0 or nbytes < 0 or offset + nbytes > len(whole):
+        slots = self._alloc.capacity_bytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > slots:
             raise InvalidArgument(
-                f"range [{offset}, {offset + nbytes}) is outside the {len(whole)}-byte segment"
+                f"range [{offset}, {offset + nbytes}) is outside the {slots} bytes of slots"
             )
         return whole[offset : offset + nbytes]
 
@@ -196,6 +291,9 @@ class DramTier(SlotSpace):
             return
         whole, self._whole = self._whole, None
         mapping, self._map = self._map, None
+        gens, self._gens = self._gens, None
+        if gens is not None:
+            gens.release()
         if whole is not None:
             whole.release()
         if mapping is not None:
@@ -217,6 +315,10 @@ class DramTier(SlotSpace):
                 pass
             except OSError as exc:
                 log.warning("dram tier: cannot unlink segment %s: %s", self._path, exc)
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = -1
         log.info("dram tier: segment %s closed", self._path)
 
     def __enter__(self) -> DramTier:

@@ -447,8 +447,8 @@ def test_prometheus_metrics(daemon_factory: DaemonFactory, scope: Scope) -> None
             timeout=10,
         )
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
-    # a reservation that runs out
-    stub.Reserve(
+    # a reservation that runs out: its slot stays quarantined until its writer's late call
+    late = stub.Reserve(
         pb.ReserveRequest(
             scope=scope.encode(), headers=[singles(scope, 1, seed=12)[0].header.encode()]
         ),
@@ -457,6 +457,9 @@ def test_prometheus_metrics(daemon_factory: DaemonFactory, scope: Scope) -> None
     assert d.clock is not None
     d.clock.advance(3600)
     d.store.reap_leases()
+    assert d.store.quarantine.blocks == 1
+    assert not stub.Release(pb.ReleaseRequest(lease_id=late.lease_id), timeout=10).released
+    assert d.store.quarantine.blocks == 0
     shm.close()  # waits for its lease releases
     d.check()
 

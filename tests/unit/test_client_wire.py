@@ -291,7 +291,11 @@ def test_enums_match_the_proto_values() -> None:
         pb.IO_CLASS_NORMAL,
         pb.IO_CLASS_BACKGROUND,
     ]
-    assert [int(s) for s in PutStatus] == [pb.PUT_STATUS_STORED, pb.PUT_STATUS_ALREADY_PRESENT]
+    assert [int(s) for s in PutStatus] == [
+        pb.PUT_STATUS_STORED,
+        pb.PUT_STATUS_ALREADY_PRESENT,
+        pb.PUT_STATUS_PENDING,
+    ]
     assert [int(k) for k in EventKind] == [
         pb.EVENT_KIND_STORED,
         pb.EVENT_KIND_REMOVED,

@@ -42,9 +42,37 @@ def test_segment_is_created_with_the_capacity(tier: DramTier, name: str) -> None
     assert tier.path == path
     assert tier.segment_name == name
     st = os.stat(path)
-    assert st.st_size == CAPACITY == tier.size_bytes == tier.capacity_bytes
+    # the slots, then one 8-byte generation counter per 4 KiB granule, rounded to 4 KiB
+    assert tier.capacity_bytes == CAPACITY == tier.generations_offset
+    assert st.st_size == tier.size_bytes == CAPACITY + 4096 * -(-(CAPACITY // 4096 * 8) // 4096)
     assert st.st_mode & 0o777 == 0o600
     assert tier.used_bytes == 0
+
+
+def test_freeing_a_slot_advances_its_generation_in_the_segment(tier: DramTier, name: str) -> None:
+    """The read fence: a same-host reader that sees the generation it was given after its copy
+    knows the slot was not freed (nor reused) meanwhile."""
+    offset = tier.allocate(16384)
+    assert offset is not None
+    before = tier.generation(offset)
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    try:
+        client = mmap.mmap(fd, tier.size_bytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    try:
+        table = memoryview(client)[tier.generations_offset :].cast("Q")
+        i = offset // tier.generation_granule_bytes
+        assert table[i] == before
+        tier.free(offset)
+        assert tier.generation(offset) == table[i] == before + 1
+        again = tier.allocate(4096)  # a smaller slot at the same place: still a new generation
+        assert again == offset and tier.generation(again) == before + 1
+        with pytest.raises(InvalidArgument):
+            tier.view(tier.capacity_bytes - 8, 16)  # the table is not slot space
+        table.release()
+    finally:
+        client.close()
 
 
 def test_write_through_a_view_and_read_back(tier: DramTier) -> None:
@@ -98,7 +126,7 @@ def test_stale_segment_is_replaced(name: str, caplog: pytest.LogCaptureFixture) 
         tier = DramTier(CAPACITY, name)
     try:
         assert any("stale" in r.getMessage() for r in caplog.records)
-        assert os.stat(path).st_size == CAPACITY
+        assert os.stat(path).st_size == tier.size_bytes
         with tier.view(0, 11) as view:
             assert bytes(view) == bytes(11)  # a fresh, zeroed segment, not the stale bytes
     finally:
@@ -123,7 +151,7 @@ def test_close_unlinks_and_is_idempotent(name: str) -> None:
 def test_close_without_unlink_keeps_the_file(name: str) -> None:
     tier = DramTier(CAPACITY, name)
     tier.close(unlink=False)
-    assert os.stat(segment_path(name)).st_size == CAPACITY
+    assert os.stat(segment_path(name)).st_size == tier.size_bytes
 
 
 def test_close_with_live_views_does_not_raise(name: str) -> None:
@@ -184,7 +212,32 @@ def test_segments_of_daemons_that_are_gone_are_reclaimed(tmp_path: Path) -> None
         f"strata-{gone.pid}-not-hex!": True,
         "other": True,
     }
+    # a daemon in another PID namespace: its pid looks gone from here, but it holds the flock
+    held = f"strata-{gone.pid}-0badcafe"
+    names[held] = True
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-    assert reclaim_ephemeral_segments(tmp_path) == 1
-    assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
+    import fcntl
+
+    fd = os.open(tmp_path / held, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert reclaim_ephemeral_segments(tmp_path) == 1
+        assert {p.name for p in tmp_path.iterdir()} == {n for n, kept in names.items() if kept}
+    finally:
+        os.close(fd)
+    assert reclaim_ephemeral_segments(tmp_path) == 1  # the lock is gone: now it is stale
+    assert held not in {p.name for p in tmp_path.iterdir()}
+
+
+def test_a_segment_held_by_a_running_daemon_is_not_replaced(tier: DramTier, name: str) -> None:
+    """Start-up never unlinks a live daemon's segment that happens to have the same name."""
+    offset = tier.allocate(4096)
+    assert offset is not None
+    with tier.view(offset, 4) as view:
+        view[:] = b"live"
+    with pytest.raises(Unavailable, match="in use"):
+        DramTier(CAPACITY, name)
+    with tier.view(offset, 4) as view:
+        assert bytes(view) == b"live"
+    assert tier.path.exists()
