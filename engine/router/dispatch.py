@@ -270,6 +270,7 @@ class Dispatcher:
         self.retry_after_s = retry_after_s
         self.clock = clock
         self.in_flight: dict[str, Run] = {}
+        self._drifted: dict[str, bool] = {}
         self.prefill_retries = 0
         self.decode_resumes = 0
 
@@ -406,6 +407,25 @@ class Dispatcher:
 
     # ---- bookkeeping hooks --------------------------------------------------------------
 
+    def _check_drift(self, now: float) -> None:
+        """Log when the time model's TTFT or TPOT predictions start or stop being off (the
+        tracker's drift flag), once per change."""
+        tracker = self.core.tracker
+        for kind in ("ttft", "tpot"):
+            drifted = tracker.drifted(kind, now)
+            if drifted != self._drifted.get(kind, False):
+                self._drifted[kind] = drifted
+                error = tracker.median_relative_error(kind, now)
+                if drifted:
+                    log.warning(
+                        "the time model's %s predictions are off by a median %+.0f%%: "
+                        "profile this machine again (strata profile)",
+                        kind.upper(),
+                        100 * error,
+                    )
+                else:
+                    log.info("the time model's %s predictions are back on target", kind.upper())
+
     def on_first_token(self, run: Run, now: float) -> None:
         self.core.on_first_token(run.job.request_id, now)
 
@@ -417,6 +437,7 @@ class Dispatcher:
         if run.finish_reason in ("stop", "length"):
             outcome = "ok"
             self.core.on_finish(run.job.request_id, now, len(run.produced))
+            self._check_drift(now)
         else:
             outcome = "failed" if run.failed else "cancelled"
             self.core.on_failed(run.job.request_id, now)
