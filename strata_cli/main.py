@@ -25,6 +25,7 @@ commands:
   colocated          run a co-located prefill+decode worker (--model PATH [--store ADDR])
   up                 store + router + prefill and decode workers on the small preset, one command
   router             the OpenAI-compatible router alone (--workers ADDR,... or --etcd HOST)
+  profile            measure a model on this machine, fit the router's time model (--model PATH [--store ADDR] [--quick])
 
 `strata <command> --help` shows each command's options.
 """
@@ -85,6 +86,12 @@ def _up(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _profile(argv: Sequence[str]) -> int:
+    from engine.profile import main
+
+    return main(argv)
+
+
 def _router(argv: Sequence[str]) -> int:
     from engine.router.cli import main
 
@@ -110,6 +117,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "colocated": _worker("colocated"),
     "up": _up,
     "router": _router,
+    "profile": _profile,
 }
 
 
