@@ -111,9 +111,16 @@ class Child:
                     self._ready.set()
         self._ready.set()
 
-    def ready(self, timeout_s: float) -> str:
-        """Wait for the child's whole banner; its address. RuntimeError if it exited first."""
-        if not self._ready.wait(timeout_s) or not self.address or not self.alive:
+    def ready(self, timeout_s: float, stop: threading.Event | None = None) -> str:
+        """Wait for the child's whole banner; its address. RuntimeError if it exited first, or
+        when `stop` is set meanwhile (Ctrl-C during start-up)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.2):
+            if stop is not None and stop.is_set():
+                raise RuntimeError("stopped during start-up")
+            if time.monotonic() > deadline:
+                break
+        if not self._ready.is_set() or not self.address or not self.alive:
             tail = "\n".join(f"    {line}" for line in self.lines[-15:])
             raise RuntimeError(f"{self.name} did not start (log {self.log}):\n{tail}")
         return self.address
@@ -154,8 +161,9 @@ def _strata(*args: str) -> list[str]:
 class Up:
     """The running system; `stop()` ends it."""
 
-    def __init__(self, ns: argparse.Namespace) -> None:
+    def __init__(self, ns: argparse.Namespace, stop: threading.Event | None = None) -> None:
         self.ns = ns
+        self.stopping = stop or threading.Event()
         self.data = (ns.data_dir or cache_dir()).expanduser().resolve()
         self.logs = self.data / "up" / "logs"
         self.children: list[Child] = []
@@ -231,7 +239,7 @@ class Up:
                 ns.ssd or "0",
             ),
         )
-        store = self.store.ready(60)
+        store = self.store.ready(60, self.stopping)
         profile = self.profile(checkpoint, store)
         roles = (
             [("colocated", ns.decode)]
@@ -265,7 +273,7 @@ class Up:
                         ),
                     )
                 )
-        addresses = [w.ready(600) for w in workers]
+        addresses = [w.ready(600, self.stopping) for w in workers]
         self.step(5, "router ...")
         self.router = self._spawn(
             "router",
@@ -285,7 +293,7 @@ class Up:
                 "WARNING",
             ),
         )
-        return self.router.ready(60)
+        return self.router.ready(60, self.stopping)
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         child = Child(name, args, self.logs / f"{name}.log").start()
@@ -381,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    up = Up(ns)
+    up = Up(ns, stop)
     code = 0
     try:
         base = up.start()
