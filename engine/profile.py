@@ -45,7 +45,7 @@ from engine.profile_measure import (
     measure_pulls,
 )
 from engine.router.core.fit import fit_quality
-from engine.router.core.timemodel import Machine, Provenance, Samples, TimeModel
+from engine.router.core.timemodel import Machine, Provenance, PullSample, Samples, TimeModel
 from engine.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def profile(
     progress(f"{ckpt.model_id} on {runtime.device}, {torch.get_num_threads()} threads")
     prefill = measure_prefill(runtime, grid, progress)
     decode = measure_decode(runtime, grid, progress)
-    pulls: tuple = ()
+    pulls: tuple[PullSample, ...] = ()
     note = f"grid {'quick' if grid == QUICK else 'full' if grid == FULL else 'custom'}"
     if store:
         pulls, paths = measure_pulls(runtime, store, grid, progress)

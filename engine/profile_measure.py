@@ -22,6 +22,7 @@ far live timings drift from the profile). Nothing here fits: it returns samples
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 import uuid
@@ -121,7 +122,7 @@ def measure_prefill(
     out: list[PrefillSample] = []
     points = [(n, c) for c in grid.prefill_cached for n in grid.prefill_new]
     for i, (new, cached) in enumerate(points):
-        seconds = _fastest(lambda n=new, c=cached: once(n, c), grid.reps)
+        seconds = _fastest(functools.partial(once, new, cached), grid.reps)
         out.append(PrefillSample(new, cached, seconds))
         progress(
             f"prefill {i + 1}/{len(points)}: {new} new after {cached} cached: {seconds * 1e3:.1f} ms"

@@ -173,6 +173,16 @@ def test_json_round_trip_keeps_provenance_and_samples(tmp_path) -> None:
         ('{"format": "other"}', "not a time model"),
         ('{"format": "strata-timemodel", "version": 99}', "version"),
         ('{"format": "strata-timemodel", "version": 1, "prefill": {"fixed_s": 1}}', "malformed"),
+        (
+            '{"format": "strata-timemodel", "version": 1, "prefill": {"fixed_s": "fast", '
+            '"per_token_s": 0, "per_cached_token_s": 0, "attention_s": 0}}',
+            "expected float",
+        ),
+        (
+            '{"format": "strata-timemodel", "version": 1, "prefill": {"fixed_s": 0, '
+            '"per_token_s": 0, "per_cached_token_s": 0, "attention_s": 0, "extra": 1}}',
+            "unknown keys",
+        ),
     ],
 )
 def test_bad_json_is_a_clear_error(text: str, message: str) -> None:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TypeVar
 
 from engine.router.core.types import TIERS
 
@@ -230,21 +231,20 @@ class TimeModel:
             raise ValueError(f"time model version {data.get('version')!r} (this reads {VERSION})")
         try:
             prov = _mapping(data.get("provenance", {}))
-            machine = Machine(**_mapping(prov.get("machine", {})))  # type: ignore[arg-type]
-            provenance = Provenance(
-                **{k: v for k, v in prov.items() if k != "machine"},  # type: ignore[arg-type]
-                machine=machine,
+            machine = _build(Machine, _mapping(prov.get("machine", {})))
+            provenance = _build(
+                Provenance, {k: v for k, v in prov.items() if k != "machine"}, machine=machine
             )
-            raw_samples = _mapping(data.get("samples", {}))
+            raw = _mapping(data.get("samples", {}))
             samples = Samples(
-                prefill=tuple(PrefillSample(**_mapping(s)) for s in _list(raw_samples, "prefill")),
-                decode=tuple(DecodeSample(**_mapping(s)) for s in _list(raw_samples, "decode")),
-                pull=tuple(PullSample(**_mapping(s)) for s in _list(raw_samples, "pull")),
+                prefill=tuple(_build(PrefillSample, _mapping(s)) for s in _list(raw, "prefill")),
+                decode=tuple(_build(DecodeSample, _mapping(s)) for s in _list(raw, "decode")),
+                pull=tuple(_build(PullSample, _mapping(s)) for s in _list(raw, "pull")),
             )
             return cls(
-                prefill=PrefillCoeffs(**_mapping(data["prefill"])),  # type: ignore[arg-type]
-                decode=DecodeCoeffs(**_mapping(data["decode"])),  # type: ignore[arg-type]
-                pulls=tuple(PullCoeffs(**_mapping(p)) for p in _list(data, "pulls")),
+                prefill=_build(PrefillCoeffs, _mapping(data.get("prefill"))),
+                decode=_build(DecodeCoeffs, _mapping(data.get("decode"))),
+                pulls=tuple(_build(PullCoeffs, _mapping(p)) for p in _list(data, "pulls")),
                 provenance=provenance,
                 samples=samples,
             )
@@ -262,6 +262,41 @@ class TimeModel:
     @classmethod
     def load(cls, path: str | Path) -> TimeModel:
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+
+_T = TypeVar("_T")
+_ACCEPTS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+}
+
+
+def _build(cls: type[_T], raw: Mapping[str, object], **given: object) -> _T:
+    """An instance of the flat dataclass `cls` from JSON values, each checked against its
+    field's type (float, int, bool, str); unknown or missing keys are a TypeError."""
+    values: dict[str, object] = dict(given)
+    names = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown keys {', '.join(unknown)}")
+    for name, f in names.items():
+        if name in values:
+            continue
+        if name not in raw:
+            if f.default is MISSING:
+                raise TypeError(f"{cls.__name__}: missing {name}")
+            continue
+        value = raw[name]
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if kind == "float" and number:
+            values[name] = float(value)  # type: ignore[arg-type]
+        elif _ACCEPTS.get(kind, lambda v: False)(value):
+            values[name] = value
+        else:
+            raise TypeError(f"{cls.__name__}.{name}: expected {kind}, got {value!r}")
+    return cls(**values)
 
 
 def _mapping(value: object) -> dict[str, object]:
