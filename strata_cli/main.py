@@ -26,6 +26,10 @@ commands:
   up                 store + router + prefill and decode workers on the small preset, one command
   router             the OpenAI-compatible router alone (--workers ADDR,... or --etcd HOST)
   profile            measure a model on this machine, fit the router's time model (--model PATH [--store ADDR] [--quick])
+  loadtest WORKLOAD  open-loop load test of an OpenAI API (--url URL | --up) [--rates a,b] [--out DIR]
+  simulate WORKLOAD  the cluster simulator (--cluster CLUSTER.toml --out DIR [--policies a,b])
+  plan WORKLOAD      best prefill:decode split for N GPUs, by simulation (--gpus N)
+  report A.json ...  reports side by side [--out DIR]
 
 `strata <command> --help` shows each command's options.
 """
@@ -107,8 +111,21 @@ def _worker(role: str) -> Callable[[Sequence[str]], int]:
     return run
 
 
+def _loadtests(module: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(argv))
+
+    return run
+
+
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "serve": _serve,
+    "loadtest": _loadtests("loadtests.live.runner"),
+    "simulate": _loadtests("loadtests.sim.cli"),
+    "plan": _loadtests("loadtests.plan"),
+    "report": _loadtests("loadtests.report.compare"),
     "bench": _bench,
     "chaos": _chaos,
     "model": _model,

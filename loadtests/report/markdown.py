@@ -57,7 +57,7 @@ def class_table(metrics: Sequence[RunMetrics]) -> list[str]:
     lines = [
         "| run | class | requests | ok | refused (429) | timed out | failed "
         "| TTFT ms mean/p50/p90/p99 | TPOT ms mean/p50/p90/p99 | e2e ms mean/p50/p90/p99 "
-        "| SLO attainment | goodput /s | hit ratio | hit tokens gpu/dram/ssd |",
+        "| SLO attainment | goodput /s | hit ratio | hit tokens gpu/dram/ssd/unknown |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in metrics:

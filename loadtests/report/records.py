@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 STATUSES = ("ok", "refused", "timeout", "failed")
-TIER_NAMES = ("gpu", "dram", "ssd")
+TIER_NAMES = ("gpu", "dram", "ssd", "unknown")  # live runs see hits, not their tier
 
 
 @dataclass(frozen=True, slots=True)

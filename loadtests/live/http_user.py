@@ -1,0 +1,127 @@
+"""One streamed OpenAI completion, recorded as the report wants it.
+
+`stream_completion(http, base_url, body, ...)` POSTs to /v1/completions with `stream: true` (the
+prompt as token ids, `ignore_eos` so the answer is `max_tokens` long, usage at the end) and
+stamps, on the run's clock: the first token, every inter-token gap, the end. Status: ok; refused
+(HTTP 429); timeout (no end within the request timeout); failed (anything else, with the error).
+The live latency split is what a client can see: TTFT goes to `prefill_s` (queue, pull and
+compute together, as the router does not tell them apart per request), the rest to `decode_s`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from loadtests.report.records import Breakdown, RequestRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """What the scheduler knows of a request when it leaves."""
+
+    request_id: str
+    slo_class: str
+    intended_s: float
+    sent_s: float
+    prompt_tokens: int
+    max_tokens: int
+
+
+def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, object]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+
+
+def stream_completion(
+    http: httpx.Client,
+    base_url: str,
+    body: dict[str, object],
+    sent: Sent,
+    now: Callable[[], float],
+    *,
+    timeout_s: float = 60.0,
+    headers: dict[str, str] | None = None,
+) -> RequestRecord:
+    times: list[float] = []
+    tokens = 0
+    cached = 0
+    status, http_status, error = "ok", 0, ""
+    prefill_worker = decode_worker = ""
+    try:
+        with http.stream(
+            "POST", f"{base_url}/completions", json=body, headers=headers, timeout=timeout_s
+        ) as resp:
+            http_status = resp.status_code
+            prefill_worker = resp.headers.get("x-strata-prefill", "")
+            decode_worker = resp.headers.get("x-strata-decode", "")
+            if resp.status_code != 200:
+                resp.read()
+                status = "refused" if resp.status_code == 429 else "failed"
+                error = resp.text[:300]
+            else:
+                for line in resp.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        status, error = "failed", json.dumps(chunk["error"])[:300]
+                        break
+                    usage = chunk.get("usage")
+                    if usage:
+                        tokens = max(tokens, int(usage.get("completion_tokens", 0)))
+                        cached = int(
+                            (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                        )
+                    for choice in chunk.get("choices") or ():
+                        if choice.get("text") or choice.get("token_ids"):
+                            times.append(now())
+                if not times and status == "ok":
+                    status, error = "failed", "the stream ended without a token"
+    except httpx.TimeoutException as exc:
+        status, error = "timeout", str(exc)[:300] or "timed out"
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+        status, error = "failed", f"{type(exc).__name__}: {exc}"[:300]
+    first = times[0] if times else math.nan
+    finish = times[-1] if times else math.nan
+    tokens = max(tokens, len(times)) if status == "ok" else len(times)
+    gaps = tuple(b - a for a, b in itertools.pairwise(times))
+    breakdown = (
+        Breakdown(prefill_s=first - sent.intended_s, decode_s=finish - first)
+        if times
+        else Breakdown()
+    )
+    return RequestRecord(
+        request_id=sent.request_id,
+        slo_class=sent.slo_class,
+        status=status,
+        intended_s=sent.intended_s,
+        sent_s=sent.sent_s,
+        first_token_s=first if status == "ok" else math.nan,
+        finish_s=finish if status == "ok" else math.nan,
+        prompt_tokens=sent.prompt_tokens,
+        output_tokens=tokens,
+        max_tokens=sent.max_tokens,
+        hit_tokens=(("unknown", cached),) if cached else (),
+        token_gaps_s=gaps,
+        breakdown=breakdown,
+        prefill_worker=prefill_worker,
+        decode_worker=decode_worker,
+        http_status=http_status,
+        error=error,
+    )

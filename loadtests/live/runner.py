@@ -1,0 +1,245 @@
+"""`strata loadtest WORKLOAD.toml [--url URL | --up] [--duration S] [--out DIR] [--rates a,b,c]`
+
+Runs the workload open loop against an OpenAI-compatible server (a URL, or a fresh `strata up`
+started and stopped here), headless under locust's library API with gevent: one locust user runs
+the open-loop schedule (`openloop.py`) and every request goes out in its own greenlet
+(`http_user.py`), reported to locust's statistics as it completes and recorded for the report.
+Bounded in time: each rate runs its duration, then waits at most the request timeout for the
+stragglers, which count as timed out. With `--rates` it sweeps and the report gives the goodput
+(the highest rate at which ≥ 90% of requests meet both targets of their class). Progress lines
+every few seconds: elapsed, sent, in flight, current send and completion rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="strata loadtest", description=__doc__.splitlines()[0])
+    ap.add_argument("workload")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="base URL of the OpenAI API, e.g. http://127.0.0.1:8000/v1")
+    where.add_argument("--up", action="store_true", help="start a fresh `strata up` and test it")
+    ap.add_argument(
+        "--up-args", default=None, help="arguments for `strata up` (default: the tiny preset)"
+    )
+    ap.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
+    ap.add_argument("--rates", default=None, help="comma list of request rates to sweep")
+    ap.add_argument("--out", default="loadtest-report")
+    ap.add_argument("--request-timeout", type=float, default=60.0)
+    ap.add_argument(
+        "--send-class", action="store_true", help="send each request's class (x-strata-slo-class)"
+    )
+    ap.add_argument("--progress-s", type=float, default=5.0)
+    ap.add_argument("--max-lag-ms", type=float, default=50.0)
+    ap.add_argument("--no-plots", action="store_true")
+    return ap
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
+    # gevent first: locust and httpx must see patched sockets and locks.
+    from gevent import monkey
+
+    monkey.patch_all()
+    from loadtests.live.target import TargetError
+    from loadtests.report.files import write_report
+    from loadtests.workload import WorkloadError, load_workload
+
+    try:
+        spec = load_workload(args.workload)
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
+    except (WorkloadError, ValueError) as exc:
+        print(f"strata loadtest: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with _target(args) as (base_url, model):
+            print(
+                f"load test {spec.name} against {base_url} (model {model}), rates "
+                f"{', '.join(f'{r:g}/s' if r else f'{spec.arrival.rate:g}/s (spec)' for r in rates)}",
+                flush=True,
+            )
+            runs = [_run_rate(args, spec, base_url, model, rate) for rate in rates]
+    except TargetError as exc:
+        print(f"strata loadtest: {exc}", file=sys.stderr)
+        return 1
+    paths = write_report(runs, args.out, f"Load test: {spec.name}", plots=not args.no_plots)
+    from loadtests.report.compare import side_by_side
+
+    print(side_by_side(runs))
+    invalid = [r.label for r in runs if not _valid(r)]
+    if invalid:
+        print(f"INVALID (the client fell behind its schedule): {', '.join(invalid)}")
+    print(f"wrote {paths['json']} and {paths['markdown']}", flush=True)
+    return 0
+
+
+def _valid(run: object) -> bool:
+    from loadtests.report.metrics import run_metrics
+
+    return run_metrics(run).valid  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    from loadtests.live.target import DEFAULT_UP_ARGS, fresh_up, model_of
+
+    if args.url:
+        base = args.url.rstrip("/")
+        yield base, args.model or model_of(base)
+        return
+    up_args = args.up_args.split() if args.up_args else list(DEFAULT_UP_ARGS)
+    with (
+        tempfile.TemporaryDirectory(prefix="strata-loadtest-") as tmp,
+        fresh_up(up_args, Path(tmp)) as (base, model),
+    ):
+        yield base, args.model or model
+
+
+def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: float | None):
+    import gevent
+    import httpx
+    from locust import User, task
+    from locust.env import Environment
+    from locust.exception import StopUser
+
+    from loadtests.live.http_user import Sent, completion_body, stream_completion
+    from loadtests.live.openloop import OpenLoop
+    from loadtests.report.records import ClassTarget, RequestRecord, RunResult, Sample
+    from loadtests.workload import generate_requests, request_token_ids
+
+    duration = args.duration or spec.duration_s
+    requests = generate_requests(spec, rate=rate, duration_s=duration)
+    offered = rate or spec.arrival.rate
+    records: dict[int, RequestRecord] = {}
+    in_flight: set[int] = set()
+    greenlets: list[gevent.Greenlet] = []
+    samples: list[Sample] = []
+    http = httpx.Client(limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512))
+    env = Environment(user_classes=[], events=None)
+    env.create_local_runner()
+    state: dict[str, object] = {}
+
+    def fire(index: int, intended: float, sent_at: float) -> None:
+        req = requests[index]
+        in_flight.add(index)
+        body = completion_body(model, request_token_ids(req, spec.model), req.max_tokens)
+        headers = {"x-strata-slo-class": req.slo_class} if args.send_class else None
+        sent = Sent(
+            req.request_id, req.slo_class, intended, sent_at, req.prompt_tokens, req.max_tokens
+        )
+        rec = stream_completion(
+            http, base_url, body, sent, loop.now, timeout_s=args.request_timeout, headers=headers
+        )
+        records[index] = rec
+        in_flight.discard(index)
+        env.events.request.fire(
+            request_type="POST",
+            name=f"/v1/completions [{req.slo_class}]",
+            response_time=(rec.e2e_s if rec.status == "ok" else loop.now() - intended) * 1e3,
+            response_length=rec.output_tokens,
+            exception=None
+            if rec.status == "ok"
+            else RuntimeError(f"{rec.status}: {rec.error[:80]}"),
+            context={"class": req.slo_class},
+        )
+
+    def spawn(fn):
+        g = gevent.spawn(fn)
+        greenlets.append(g)
+        return g
+
+    loop = OpenLoop(
+        [r.arrival_s for r in requests],
+        fire,
+        spawn=spawn,
+        sleep=gevent.sleep,
+        deadline_s=duration,
+        max_lag_s=args.max_lag_ms / 1e3,
+    )
+
+    class OpenLoopUser(User):
+        """Runs the whole open-loop schedule once (locust's own pacing is not used)."""
+
+        @task
+        def schedule(self) -> None:
+            state["schedule"] = loop.run()
+            raise StopUser()
+
+    OpenLoopUser.host = base_url
+    env.user_classes = [OpenLoopUser]
+    runner = env.runner
+    assert runner is not None
+
+    def progress() -> None:
+        last_t, last_sent, last_done = 0.0, 0, 0
+        while True:
+            gevent.sleep(min(0.5, args.progress_s))
+            t = loop.now()
+            samples.append(Sample(t, 0, len(in_flight)))
+            if t - last_t >= args.progress_s:
+                done = len(records)
+                print(
+                    f"  [{t:6.1f}s] sent {loop.sent}/{len(requests)}, in flight {len(in_flight)}, "
+                    f"send {(loop.sent - last_sent) / (t - last_t):.2f}/s (target {offered:g}/s), "
+                    f"done {(done - last_done) / (t - last_t):.2f}/s",
+                    flush=True,
+                )
+                last_t, last_sent, last_done = t, loop.sent, done
+
+    print(f"rate {offered:g}/s: {len(requests)} requests over {duration:g}s", flush=True)
+    reporter = gevent.spawn(progress)
+    runner.start(1, spawn_rate=1)
+    deadline = time.monotonic() + duration + args.request_timeout + 10
+    while time.monotonic() < deadline and ("schedule" not in state or in_flight):
+        gevent.sleep(0.05)
+    runner.quit()
+    reporter.kill()
+    gevent.killall([g for g in greenlets if not g.dead], timeout=5)
+    http.close()
+    out: list[RequestRecord] = []
+    for i, req in enumerate(requests):
+        rec = records.get(i)
+        if rec is None:  # never finished within the bound (or never sent: the client fell behind)
+            rec = RequestRecord(
+                req.request_id,
+                req.slo_class,
+                "timeout",
+                req.arrival_s,
+                req.arrival_s if i < loop.sent else math.inf,
+                prompt_tokens=req.prompt_tokens,
+                max_tokens=req.max_tokens,
+                error="no answer within the run's bound",
+            )
+        out.append(rec)
+    sched = state.get("schedule")
+    total = env.stats.total
+    notes = (
+        f"locust: {total.num_requests} requests, {total.num_failures} failures, "
+        f"median {total.median_response_time} ms, p99 {total.get_response_time_percentile(0.99)} ms",
+        f"schedule lag p99 {getattr(sched, 'p99_lag_s', math.nan) * 1e3:.2f} ms, max "
+        f"{getattr(sched, 'max_lag_s', math.nan) * 1e3:.2f} ms",
+    )
+    return RunResult(
+        label=f"live @ {offered:g}/s",
+        kind="live",
+        workload=spec.name,
+        target_rate=offered,
+        duration_s=duration,
+        classes=tuple(ClassTarget(c.name, c.ttft_s, c.tpot_s) for c in spec.classes),
+        records=tuple(out),
+        samples=tuple(samples),
+        policy="live",
+        cluster=base_url,
+        seed=spec.seed,
+        notes=notes,
+    )

@@ -1,0 +1,169 @@
+"""The open-loop scheduler keeps its schedule against a deliberately slow server and reports lag;
+a closed loop (one request at a time) against the same server falls behind and is marked invalid.
+The server is a tiny local HTTP server started here that streams OpenAI-style SSE slowly."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from loadtests.live.http_user import Sent, completion_body, stream_completion
+from loadtests.live.openloop import OpenLoop
+from loadtests.report.metrics import run_metrics
+from loadtests.report.records import ClassTarget, RequestRecord, RunResult
+
+pytestmark = pytest.mark.unit
+
+FIRST_TOKEN_DELAY_S = 0.3
+TOKEN_GAP_S = 0.02
+
+
+class SlowHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["prompt"][0] == 0:  # the test's marker for "refuse this one"
+            msg = b'{"error": {"message": "overloaded", "type": "rate_limited"}}'
+            self.send_response(429)
+            self.send_header("Content-Length", str(len(msg)))
+            self.send_header("Retry-After", "1")
+            self.end_headers()
+            self.wfile.write(msg)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        time.sleep(FIRST_TOKEN_DELAY_S)
+        n = body["max_tokens"]
+        for i in range(n):
+            chunk = {"choices": [{"index": 0, "text": f"t{i}", "token_ids": [5 + i]}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(TOKEN_GAP_S)
+        usage = {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": n,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            },
+        }
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+        self.close_connection = True
+
+
+@pytest.fixture
+def slow_server() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowHandler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run_schedule(
+    base: str, times: list[float], *, closed_loop: bool, refuse: set[int] = frozenset()
+):
+    records: dict[int, RequestRecord] = {}
+    lock = threading.Lock()
+    http = httpx.Client()
+
+    def fire(i: int, intended: float, sent: float) -> None:
+        prompt = [0, 1, 2] if i in refuse else [7, 8, 9]
+        body = completion_body("m", prompt, 4)
+        rec = stream_completion(
+            http, base, body, Sent(f"r{i}", "c", intended, sent, 3, 4), loop.now, timeout_s=10
+        )
+        with lock:
+            records[i] = rec
+
+    def inline(fn):  # a closed loop: the next request waits for this one
+        fn()
+
+    kwargs = {"spawn": inline} if closed_loop else {}
+    # This machine is shared and noisy: a thread start can take tens of ms, so the open loop is
+    # judged as "lag stays bounded" (0.3 s) against the closed loop's lag that keeps growing.
+    loop = OpenLoop(times, fire, max_lag_s=0.3, **kwargs)
+    schedule = loop.run()
+    deadline = time.monotonic() + 20
+    while len(records) < schedule.sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    http.close()
+    return schedule, [records[i] for i in sorted(records)]
+
+
+def test_open_loop_keeps_its_schedule_against_a_slow_server(slow_server: str) -> None:
+    times = [i * 0.05 for i in range(30)]  # 20/s for 1.5 s; each answer takes ≥ 0.38 s
+    schedule, records = run_schedule(slow_server, times, closed_loop=False, refuse={4})
+    assert schedule.sent == 30 and not schedule.behind
+    assert schedule.mean_lag_s < 0.1
+    assert len(records) == 30
+    for rec in records:
+        assert rec.sent_s - rec.intended_s < 0.3
+        if rec.request_id == "r4":
+            assert rec.status == "refused" and rec.http_status == 429
+            continue
+        assert rec.status == "ok", rec.error
+        assert rec.output_tokens == 4 and len(rec.token_gaps_s) == 3
+        assert rec.ttft_s >= FIRST_TOKEN_DELAY_S - 0.01
+        assert sum(rec.token_gaps_s) == pytest.approx(rec.finish_s - rec.first_token_s)
+        assert rec.hit("unknown") == 2
+    # With 30 requests in 1.5 s and 0.38 s each, many overlapped: the client did not wait.
+    starts = sorted(r.sent_s for r in records)
+    assert starts[-1] - starts[0] < 1.6
+
+
+def test_closed_loop_falls_behind_and_the_run_is_marked_invalid(slow_server: str) -> None:
+    times = [i * 0.05 for i in range(6)]
+    schedule, records = run_schedule(slow_server, times, closed_loop=True)
+    assert schedule.behind
+    assert schedule.max_lag_s > 1.0  # the sixth request left ~5 x 0.38 s late
+    # latencies count from the intended send time, so the lag shows in TTFT
+    assert records[-1].ttft_s > records[-1].lag_s + FIRST_TOKEN_DELAY_S - 0.01
+    run = RunResult("closed", "live", "w", 20.0, 0.3, (ClassTarget("c", 1.0, 0.1),), tuple(records))
+    assert not run_metrics(run).valid
+    run_ok = RunResult(
+        "open",
+        "live",
+        "w",
+        20.0,
+        0.3,
+        (ClassTarget("c", 1.0, 0.1),),
+        tuple(
+            RequestRecord(
+                r.request_id,
+                r.slo_class,
+                r.status,
+                r.intended_s,
+                r.intended_s,
+                r.first_token_s,
+                r.finish_s,
+                3,
+                4,
+                4,
+            )
+            for r in records
+        ),
+    )
+    assert run_metrics(run_ok).valid
+
+
+def test_an_unsorted_schedule_is_refused() -> None:
+    with pytest.raises(ValueError, match="sorted"):
+        OpenLoop([1.0, 0.5], lambda i, t, s: None)
