@@ -84,17 +84,25 @@ class FullDisk(Fault):
     def settings(self, env: PhaseEnv) -> list[str]:
         return ["--write-through", "--ssd-path", str(self.mount)]
 
-    def _resize(self, size: int) -> None:
-        subprocess.run(["mount", "-o", f"remount,size={size}", str(self.mount)],
-                       capture_output=True, timeout=30, check=True)
+    def _resize(self, size: int) -> bool:
+        done = subprocess.run(["mount", "-o", f"remount,size={size}", str(self.mount)],
+                              capture_output=True, text=True, timeout=30, check=False)
+        return done.returncode == 0
 
     def inject(self, env: PhaseEnv, until: float) -> None:
-        st = os.statvfs(self.mount)
-        used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        self._resize(max(used, 1 << 20))  # full: not one more block
-        env.details["disk_full_at_bytes"] = used
+        # shrink to what is used now (plus one 64 KiB step: writes go on meanwhile, and tmpfs
+        # refuses a size below its use), so the next SSD writes meet ENOSPC
+        for _ in range(50):
+            st = os.statvfs(self.mount)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+            if self._resize(used + (64 << 10)):
+                env.details["disk_full_at_bytes"] = used
+                break
+        else:
+            raise RuntimeError(f"could not shrink the tmpfs at {self.mount} to its use")
         _wait_until(until)
-        self._resize(self.tmpfs_bytes)
+        if not self._resize(self.tmpfs_bytes):
+            raise RuntimeError(f"could not give the tmpfs at {self.mount} its room back")
 
     def teardown(self, env: PhaseEnv) -> None:
         if self.mount != Path():

@@ -306,16 +306,29 @@ def _read_back(env: PhaseEnv, keys: list[bytes]) -> tuple[list[bytes], list[byte
     wrong: list[bytes] = []
     batch = 32
     into = [bytearray(size) for _ in range(batch)]
+    errors = 0
     try:
         for start in range(0, len(keys), batch):
             part = keys[start : start + batch]
-            got = client.get(scope, part, into[: len(part)])
-            a, b, c = classify(part, [e is not None for e in got.entries], into[: len(part)])
+            try:
+                got = client.get(scope, part, into[: len(part)])
+                hits = [e is not None for e in got.entries]
+            except StrataError:  # e.g. UNAVAILABLE for an SSD error: try each page alone
+                hits = []
+                for i, key in enumerate(part):
+                    try:
+                        one = client.get(scope, [key], into[i : i + 1])
+                        hits.append(one.entries[0] is not None)
+                    except StrataError:
+                        errors += 1  # not served: a miss, never a wrong page
+                        hits.append(False)
+            a, b, c = classify(part, hits, into[: len(part)])
             intact += a
             missing += b
             wrong += c
     finally:
         client.close()
+    env.details["read_back_errors"] = errors
     return intact, missing, wrong
 
 
@@ -331,7 +344,13 @@ def _leaks(env: PhaseEnv) -> int:
                 leaks += 1
                 env.notes.append(f"node{n}: {c.stats().active_leases} leases held after "
                                  f"every client stopped")
-            c.delete(scope=scope)
+            for attempt in range(5):  # a delete may meet an injected SSD error: it is retried
+                try:
+                    c.delete(scope=scope)
+                    break
+                except StrataError as exc:
+                    if attempt == 4:
+                        env.notes.append(f"node{n}: delete failed 5 times: {exc}")
 
             def empty(c: StoreClient = c) -> bool:
                 s = c.stats()
