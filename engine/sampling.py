@@ -132,52 +132,73 @@ def sample_tokens(
     logits: torch.Tensor, samplers: Sequence[Sampler], steps: Sequence[int]
 ) -> list[int]:
     """The next token of each row of `logits` `[B, vocab]`: row b drawn by `samplers[b]` as its
-    draw `steps[b]`. Greedy rows take the argmax (one call for the batch); the other rows are
-    scaled by their temperatures, cut to their top-k and top-p (a token is dropped when the
-    tokens ranked above it reach top_p; the first always stays) and drawn by inverse CDF with
-    their uniform numbers, all rows in the same tensor operations. A row's token depends on its
-    logits, params, seed and step only. Raises ValueError on mismatched lengths."""
+    draw `steps[b]`. Greedy rows take the argmax (one call for the batch). The others are scaled
+    by their temperatures and drawn by inverse CDF with their uniform numbers, all rows in the
+    same tensor operations: over the vocabulary in its own order, or, for rows with a top-k or
+    top-p, over it sorted, cut to the top-k and the top-p (a token is dropped when the tokens
+    ranked above it reach top_p; the first always stays). A row's token depends on its logits,
+    params, seed and step only, never on the other rows. Raises ValueError on mismatched
+    lengths."""
     batch = logits.shape[0] if logits.dim() == 2 else -1
     if batch != len(samplers) or batch != len(steps):
         raise ValueError(
             f"logits {tuple(logits.shape)}, {len(samplers)} samplers, {len(steps)} steps"
         )
     chosen = logits.argmax(dim=-1).tolist()
-    drawn = [b for b, s in enumerate(samplers) if not s.params.greedy]
-    if not drawn:
-        return chosen
-    rows = [samplers[b] for b in drawn]
-    params = [s.params for s in rows]
-    scores = logits.float() if len(drawn) == batch else logits[drawn].float()
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    scores = scores / temps.to(scores.device)[:, None]
+    vocab = logits.shape[-1]
+    plain: list[int] = []
+    cut: list[int] = []
+    for b, sampler in enumerate(samplers):
+        p = sampler.params
+        if not p.greedy:
+            (cut if 0 < p.top_k < vocab or p.top_p < 1.0 else plain).append(b)
+    for rows, ordered in ((plain, False), (cut, True)):
+        if rows:
+            drawn = _draw(
+                logits, rows, [samplers[b] for b in rows], [steps[b] for b in rows], ordered
+            )
+            for b, token in zip(rows, drawn, strict=True):
+                chosen[b] = token
+    return chosen
+
+
+def _draw(
+    logits: torch.Tensor,
+    rows: list[int],
+    samplers: list[Sampler],
+    steps: list[int],
+    ordered: bool,
+) -> list[int]:
+    """Inverse-CDF draws of `rows` of `logits` (sorted and cut first when `ordered`)."""
+    params = [s.params for s in samplers]
+    device = logits.device
+    scores = logits[rows].float()
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    scores = scores / temps[:, None]
     vocab = scores.shape[-1]
     order = None
-    if any(0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+    if ordered:
         scores, order = torch.sort(scores, dim=-1, descending=True)
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        if min(ks) < vocab:
-            rank = torch.arange(vocab, device=scores.device)
-            keep = rank[None, :] < torch.tensor(ks, device=scores.device)[:, None]
-            scores = scores.masked_fill(~keep, float("-inf"))
-        top_p = [p.top_p for p in params]
-        if min(top_p) < 1.0:
-            probs = torch.softmax(scores, dim=-1)
-            above = torch.cumsum(probs, dim=-1) - probs
-            limit = torch.tensor(top_p, dtype=torch.float32, device=scores.device)[:, None]
-            scores = scores.masked_fill(above >= limit, float("-inf"))
+        rank = torch.arange(vocab, device=device)
+        keep = rank[None, :] < torch.tensor(ks, device=device)[:, None]
+        scores = scores.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        above = torch.cumsum(probs, dim=-1) - probs
+        tops = [p.top_p if p.top_p < 1.0 else math.inf for p in params]  # 1: keep every token
+        limit = torch.tensor(tops, dtype=torch.float32, device=device)
+        scores = scores.masked_fill(above >= limit[:, None], float("-inf"))
     cdf = torch.cumsum(torch.softmax(scores, dim=-1), dim=-1)
     total = cdf[:, -1:]
     u = torch.tensor(
-        [s.uniform(step) for s, step in zip(rows, [steps[b] for b in drawn], strict=True)],
+        [s.uniform(step) for s, step in zip(samplers, steps, strict=True)],
         dtype=torch.float32,
-        device=cdf.device,
+        device=device,
     )[:, None]
-    # the largest value below the total: rounding of u * total never picks a zero-probability tail
+    # below the total: rounding of u * total must not reach into a zero-probability tail
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     picked = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
     if order is not None:
         picked = order.gather(-1, picked)
-    for b, token in zip(drawn, picked[:, 0].tolist(), strict=True):
-        chosen[b] = token
-    return chosen
+    tokens: list[int] = picked[:, 0].tolist()
+    return tokens

@@ -11,13 +11,20 @@ loopback, port 0, in a temporary folder). In one run, each several times (median
    then the daemon is restarted on the same folder (its DRAM is empty, RocksDB's memtables are
    flushed to blob files, the index is rebuilt from the SSD headers) and, where allowed, the OS
    page cache is dropped;
-4. decode tokens/s at batch 1 and batch N (8 by default): a DecodeWorker pulls the prompt's
-   pages and produces `--new-tokens` greedy tokens per request.
+4. decode tokens/s at batch 1 and the larger batches (8 and 32 by default): a DecodeWorker
+   pulls the prompt's pages and produces `--new-tokens` greedy tokens per request; interleaved
+   with each repetition, at the same batch and the prompt's context, the reference steps of
+   `loadtests.engine_steps`: the model's decode step alone (as the worker calls it), the same
+   step gathering pages each step, and a dense-attention step over the same weights and GQA
+   shapes (the memory-bound limit: weights and every sequence's K/V read once a step).
 
 TTFT is the prefill's arrival to its first token sampled (`total_s - publish_wait_s`). Every hit
 must give the no-cache first token and hit exactly the prompt's full pages, or the run fails.
-Prints a table with ratios (hit / no-cache TTFT, batch N / batch 1 throughput) against the target
-(a full DRAM hit at most 1/5 of recomputation); `--json PATH` writes it all.
+Prints a table with ratios (hit / no-cache TTFT, batch N / batch 1 throughput, the worker against
+the model step and the dense step) against the targets (a full DRAM hit at most 1/5 of
+recomputation, and 1/31; the worker at batch 1 at least 0.8 of the model step; the worker at the
+larger batches at least 0.7 of the dense step; the model step at batch 8 within 1.5x of the
+dense step); `--json PATH` writes it all.
 """
 
 from __future__ import annotations
@@ -45,8 +52,13 @@ from engine.runtime import ModelRuntime
 from engine.sampling import SamplingParams
 from loadtests.bench_store import drop_page_cache
 from loadtests.daemon import DaemonProcess
+from loadtests.engine_steps import DenseStep, ModelSteps, time_call
 
 TARGET_DRAM_RATIO = 0.2  # a full DRAM hit: TTFT at most 1/5 of recomputing the prompt
+TARGET_DRAM_RATIO_NOW = 1 / 31  # and no worse than it was when decode batching was built
+TARGET_WORKER_TO_MODEL_STEP = 0.8  # batch 1: the worker's loop costs little over the model
+TARGET_WORKER_TO_DENSE = 0.7  # larger batches: the worker near the memory-bound step
+TARGET_MODEL_STEP_TO_DENSE = 1 / 1.5  # batch 8: paged attention within 1.5x of dense
 DRAM_NAMESPACE = "bench-dram"
 SSD_METHOD = (
     "pages put with tier=SSD under a fresh namespace per repetition, then the daemon restarted "
@@ -105,6 +117,45 @@ class Decode:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRates:
+    """The worker's decode at one batch next to its reference steps at the prompt's context
+    (tokens/s: batch over the median step time), and the ratios of tokens/s between them."""
+
+    batch: int
+    context_tokens: int
+    worker_tokens_per_s: float
+    model_step_tokens_per_s: float
+    gathered_step_tokens_per_s: float
+    dense_step_tokens_per_s: float
+    model_step_median_s: float
+    gathered_step_median_s: float
+    dense_step_median_s: float
+    worker_to_model_step_ratio: float
+    worker_to_dense_ratio: float
+    model_step_to_dense_ratio: float
+    gathered_step_to_dense_ratio: float
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One target: `value` against `bound` (at least it, or at most it with `at_most`)."""
+
+    name: str
+    value: float
+    bound: float
+    at_most: bool
+    met: bool
+
+    @classmethod
+    def at_least(cls, name: str, value: float, bound: float) -> Target:
+        return cls(name, value, bound, False, value >= bound)
+
+    @classmethod
+    def no_more(cls, name: str, value: float, bound: float) -> Target:
+        return cls(name, value, bound, True, value <= bound)
+
+
+@dataclass(frozen=True, slots=True)
 class Ratios:
     dram_hit_over_no_cache: float
     ssd_hit_over_no_cache: float
@@ -127,7 +178,9 @@ class EngineBench:
     page_cache_dropped: bool
     ttft: tuple[Ttft, ...]
     decode: tuple[Decode, ...]
+    steps: tuple[StepRates, ...]
     ratios: Ratios
+    targets: tuple[Target, ...]
     seconds: float
 
 
@@ -137,10 +190,11 @@ class Options:
     reps: int = 5
     decode_reps: int = 3
     new_tokens: int = 64
-    batch: int = 8
+    batches: tuple[int, ...] = (8, 32)
     page_tokens: int = 16
     chunk_tokens: int = 256
     seed: int = 0
+    reference_steps: int = 5  # calls of each reference step per decode repetition
 
 
 DEFAULTS = Options()
@@ -237,25 +291,44 @@ def measure_prefill(
 
 def measure_decode(
     runtime: ModelRuntime, client: StoreClient, ids: list[int], first: int, opts: Options
-) -> tuple[Decode, ...]:
-    """Decode throughput at batch 1 and `opts.batch`, pulling the prompt's pages each time."""
-    worker = DecodeWorker(
-        runtime,
-        client,
-        max_batch=opts.batch,
-        chunk_tokens=opts.chunk_tokens,
-        kv_capacity_tokens=opts.batch * runtime.max_context,
-    )
+) -> tuple[tuple[Decode, ...], tuple[StepRates, ...]]:
+    """Decode throughput at batch 1 and each of `opts.batches`, pulling the prompt's pages each
+    time, with the reference steps at each batch timed between the repetitions."""
+    out: list[Decode] = []
+    steps: list[StepRates] = []
+    reference: tuple[int, ...] = ()
     params = SamplingParams(max_tokens=1 + opts.new_tokens, ignore_eos=True)
     request = DecodeRequest(tuple(ids), (first,), params, DRAM_NAMESPACE)
-    out: list[Decode] = []
-    reference: tuple[int, ...] = ()
-    try:
-        worker.generate(ids, (first,), SamplingParams(max_tokens=3), namespace=DRAM_NAMESPACE)
-        for batch in sorted({1, opts.batch}):
+    for batch in sorted({1, *opts.batches}):
+        calls = (opts.decode_reps + 1) * opts.reference_steps
+        model = ModelSteps(runtime, batch, len(ids), calls, opts.seed)
+        dense = DenseStep(runtime, batch, len(ids), calls, opts.seed)
+        worker = DecodeWorker(
+            runtime,
+            client,
+            max_batch=batch,
+            chunk_tokens=opts.chunk_tokens,
+            kv_capacity_tokens=batch * runtime.max_context,
+        )
+        model_s: list[float] = []
+        gathered_s: list[float] = []
+        dense_s: list[float] = []
+        try:
+            worker.generate(ids, (first,), SamplingParams(max_tokens=3), namespace=DRAM_NAMESPACE)
             rates, e2e, same = [], [], True
             results: list[DecodeResult] = []
-            for rep in range(opts.decode_reps):
+            for rep in range(-1, opts.decode_reps):  # round -1 warms the references up
+                for _ in range(opts.reference_steps):
+                    m = time_call(runtime, model.model_step)
+                    g = time_call(runtime, model.gathered_step)
+                    d = time_call(runtime, dense)
+                    model.advance()
+                    if rep >= 0:
+                        model_s.append(m)
+                        gathered_s.append(g)
+                        dense_s.append(d)
+                if rep < 0:
+                    continue
                 began = time.monotonic()
                 streams = [worker.submit(request) for _ in range(batch)]
                 results = [s.result() for s in streams]
@@ -268,23 +341,93 @@ def measure_decode(
                 rates.append(decode_rate([r.token_times_s for r in results]))
                 e2e.append(batch * opts.new_tokens / (ended - began))
                 progress(
-                    f"decode batch {batch} {rep + 1}/{opts.decode_reps}: {rates[-1]:.1f} tok/s"
+                    f"decode batch {batch} {rep + 1}/{opts.decode_reps}: {rates[-1]:.1f} tok/s; "
+                    f"model step {batch / statistics.median(model_s):.1f}, dense step "
+                    f"{batch / statistics.median(dense_s):.1f} tok/s"
                 )
-            per_token = Stat.of([1.0 / r for r in rates])
+        finally:
+            worker.close()
+        del model, dense  # before the next batch's are built
+        per_token = Stat.of([1.0 / r for r in rates])
+        worker_rate = statistics.median(rates)
+        out.append(
+            Decode(
+                batch=batch,
+                new_tokens_per_request=opts.new_tokens,
+                tokens_per_s_median=worker_rate,
+                tokens_per_s_p90=1.0 / per_token.p90_s,
+                end_to_end_tokens_per_s_median=statistics.median(e2e),
+                samples_tokens_per_s=tuple(rates),
+                hit_tokens_per_request=min(r.stats.hit_tokens.total for r in results),
+                same_tokens_as_batch_1=same,
+            )
+        )
+        steps.append(step_rates(batch, len(ids), worker_rate, model_s, gathered_s, dense_s))
+    return tuple(out), tuple(steps)
+
+
+def step_rates(
+    batch: int,
+    context: int,
+    worker_rate: float,
+    model_s: Sequence[float],
+    gathered_s: Sequence[float],
+    dense_s: Sequence[float],
+) -> StepRates:
+    """The rates and ratios of one batch from the step times (seconds per call)."""
+    model, gathered, dense = (statistics.median(x) for x in (model_s, gathered_s, dense_s))
+    model_rate, gathered_rate, dense_rate = batch / model, batch / gathered, batch / dense
+    return StepRates(
+        batch=batch,
+        context_tokens=context,
+        worker_tokens_per_s=worker_rate,
+        model_step_tokens_per_s=model_rate,
+        gathered_step_tokens_per_s=gathered_rate,
+        dense_step_tokens_per_s=dense_rate,
+        model_step_median_s=model,
+        gathered_step_median_s=gathered,
+        dense_step_median_s=dense,
+        worker_to_model_step_ratio=worker_rate / model_rate,
+        worker_to_dense_ratio=worker_rate / dense_rate,
+        model_step_to_dense_ratio=model_rate / dense_rate,
+        gathered_step_to_dense_ratio=gathered_rate / dense_rate,
+    )
+
+
+def targets(ratios: Ratios, steps: Sequence[StepRates]) -> tuple[Target, ...]:
+    """The targets of issue-level decode batching and TTFT, from the measured ratios."""
+    out = [
+        Target.no_more(
+            "TTFT full DRAM hit / no cache", ratios.dram_hit_over_no_cache, TARGET_DRAM_RATIO_NOW
+        )
+    ]
+    for s in steps:
+        if s.batch == 1:
             out.append(
-                Decode(
-                    batch=batch,
-                    new_tokens_per_request=opts.new_tokens,
-                    tokens_per_s_median=statistics.median(rates),
-                    tokens_per_s_p90=1.0 / per_token.p90_s,
-                    end_to_end_tokens_per_s_median=statistics.median(e2e),
-                    samples_tokens_per_s=tuple(rates),
-                    hit_tokens_per_request=min(r.stats.hit_tokens.total for r in results),
-                    same_tokens_as_batch_1=same,
+                Target.at_least(
+                    "worker / model step, batch 1",
+                    s.worker_to_model_step_ratio,
+                    TARGET_WORKER_TO_MODEL_STEP,
                 )
             )
-    finally:
-        worker.close()
+            continue
+        out.append(
+            Target.at_least(
+                f"worker / dense step, batch {s.batch}",
+                s.worker_to_dense_ratio,
+                TARGET_WORKER_TO_DENSE,
+            )
+        )
+    paged = next((s for s in steps if s.batch == 8), None)
+    paged = paged or next((s for s in steps if s.batch > 1), None)
+    if paged is not None:
+        out.append(
+            Target.at_least(
+                f"model step / dense step, batch {paged.batch}",
+                paged.model_step_to_dense_ratio,
+                TARGET_MODEL_STEP_TO_DENSE,
+            )
+        )
     return tuple(out)
 
 
@@ -347,7 +490,7 @@ def run(
         progress(f"store daemon pid {daemon.pid} on {daemon.address}")
         with StoreClient(daemon.address, timeout_s=60) as client:
             no_cache, dram = measure_prefill(runtime, client, ids, opts)
-            decode = measure_decode(runtime, client, ids, no_cache.first_token, opts)
+            decode, steps = measure_decode(runtime, client, ids, no_cache.first_token, opts)
             progress(f"staging {opts.reps} SSD copies of the prompt's pages …")
             stage_ssd(client, runtime, ids, opts)
     with DaemonProcess(data_dir, dram="2GiB", ssd="4GiB") as daemon:
@@ -360,7 +503,7 @@ def run(
     ratios = Ratios(
         dram_hit_over_no_cache=dram.ttft.median_s / base,
         ssd_hit_over_no_cache=ssd.ttft.median_s / base,
-        batch_over_batch_1=by_batch[opts.batch] / by_batch[1] if by_batch[1] else 0.0,
+        batch_over_batch_1=by_batch[max(by_batch)] / by_batch[1] if by_batch[1] else 0.0,
         dram_target=TARGET_DRAM_RATIO,
         dram_target_met=dram.ttft.median_s <= TARGET_DRAM_RATIO * base,
     )
@@ -377,7 +520,9 @@ def run(
         page_cache_dropped=dropped,
         ttft=(no_cache, dram, ssd),
         decode=decode,
+        steps=steps,
         ratios=ratios,
+        targets=targets(ratios, steps),
         seconds=time.perf_counter() - began,
     )
 
@@ -414,6 +559,37 @@ def print_table(bench: EngineBench) -> None:
     print(f"SSD hit: {bench.ssd_method}; OS page cache dropped: {bench.page_cache_dropped}")
     same = all(d.same_tokens_as_batch_1 for d in bench.decode)
     print(f"decode: every request gave the same tokens at every batch size: {same}")
+    context = bench.steps[0].context_tokens if bench.steps else 0
+    print(
+        f"\n{f'decode tok/s, context {context}':<30} {'worker':>8} {'model':>8} {'gathered':>8} "
+        f"{'dense':>8} {'w/model':>8} {'w/dense':>8} {'m/dense':>8} {'g/dense':>8}"
+    )
+    for st in bench.steps:
+        print(
+            f"{f'batch {st.batch}':<30} {st.worker_tokens_per_s:>8.1f} "
+            f"{st.model_step_tokens_per_s:>8.1f} {st.gathered_step_tokens_per_s:>8.1f} "
+            f"{st.dense_step_tokens_per_s:>8.1f} {st.worker_to_model_step_ratio:>8.2f} "
+            f"{st.worker_to_dense_ratio:>8.2f} {st.model_step_to_dense_ratio:>8.2f} "
+            f"{st.gathered_step_to_dense_ratio:>8.2f}"
+        )
+    print(
+        "model: the model's decode_step alone, as the worker runs it; gathered: the same step "
+        "gathering pages each step;\ndense: the same weights over contiguous K/V (the "
+        "memory-bound limit); ratios of tokens/s"
+    )
+    for target in bench.targets:
+        sign = "<=" if target.at_most else ">="
+        print(
+            f"target: {target.name} {sign} {target.bound:.3f}: "
+            f"{'met' if target.met else 'NOT met'} ({target.value:.3f})"
+        )
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -425,20 +601,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=DEFAULTS.reps, help="repetitions per TTFT")
     p.add_argument("--decode-reps", type=int, default=DEFAULTS.decode_reps)
     p.add_argument("--new-tokens", type=int, default=DEFAULTS.new_tokens, help="per decode request")
-    p.add_argument("--batch", type=int, default=DEFAULTS.batch, help="the larger decode batch")
+    p.add_argument(
+        "--batch",
+        type=_batches,
+        default=DEFAULTS.batches,
+        help="the larger decode batches, comma-separated (default 8,32; batch 1 always runs)",
+    )
+    p.add_argument(
+        "--reference-steps",
+        type=int,
+        default=DEFAULTS.reference_steps,
+        help="calls of each reference step per decode repetition",
+    )
     p.add_argument("--page-tokens", type=int, default=DEFAULTS.page_tokens)
     p.add_argument("--chunk-tokens", type=int, default=DEFAULTS.chunk_tokens)
     p.add_argument("--device", default="cpu", help="torch device of the model (default cpu)")
     p.add_argument("--dir", type=Path, help="daemon state folder (default: a temporary one)")
     p.add_argument("--json", type=Path, help="write the results here")
     ns = p.parse_args(argv)
-    if min(ns.reps, ns.decode_reps, ns.new_tokens, ns.batch) < 1:
-        p.error("--reps, --decode-reps, --new-tokens and --batch must be at least 1")
+    if min(ns.reps, ns.decode_reps, ns.new_tokens, ns.reference_steps, *ns.batch) < 1:
+        p.error(
+            "--reps, --decode-reps, --new-tokens, --reference-steps and --batch must be at least 1"
+        )
     if ns.prompt_tokens < ns.page_tokens:
         p.error(f"--prompt-tokens must be at least one page ({ns.page_tokens} tokens)")
     opts = Options(
         prompt_tokens=ns.prompt_tokens, reps=ns.reps, decode_reps=ns.decode_reps,
-        new_tokens=ns.new_tokens, batch=ns.batch, page_tokens=ns.page_tokens,
+        new_tokens=ns.new_tokens, batches=ns.batch, page_tokens=ns.page_tokens,
+        reference_steps=ns.reference_steps,
         chunk_tokens=ns.chunk_tokens,
     )
     scratch = Path(tempfile.mkdtemp(prefix="strata-bench-engine-"))

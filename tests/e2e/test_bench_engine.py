@@ -53,6 +53,8 @@ def test_bench_engine_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         "3",
         "--batch",
         "2",
+        "--reference-steps",
+        "2",
         "--json",
         str(out),
     ]
@@ -94,6 +96,35 @@ def test_bench_engine_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert d["hit_tokens_per_request"] == FULL_TOKENS
         assert d["same_tokens_as_batch_1"] is True
         assert d["tokens_per_s_median"] > 0 and d["end_to_end_tokens_per_s_median"] > 0
+
+    # the reference steps next to the worker, at each batch: rates and the ratios between them
+    assert [st["batch"] for st in bench["steps"]] == [1, 2]
+    by_batch = {d["batch"]: d["tokens_per_s_median"] for d in bench["decode"]}
+    for st in bench["steps"]:
+        assert st["context_tokens"] == PROMPT_TOKENS
+        assert st["worker_tokens_per_s"] == by_batch[st["batch"]]
+        for name in ("model_step", "gathered_step", "dense_step"):
+            rate = st[f"{name}_tokens_per_s"]
+            assert rate == pytest.approx(st["batch"] / st[f"{name}_median_s"])
+        assert st["worker_to_dense_ratio"] == pytest.approx(
+            st["worker_tokens_per_s"] / st["dense_step_tokens_per_s"]
+        )
+        assert st["worker_to_model_step_ratio"] == pytest.approx(
+            st["worker_tokens_per_s"] / st["model_step_tokens_per_s"]
+        )
+        assert st["model_step_to_dense_ratio"] == pytest.approx(
+            st["model_step_tokens_per_s"] / st["dense_step_tokens_per_s"]
+        )
+    names = [t["name"] for t in bench["targets"]]
+    assert names == [
+        "TTFT full DRAM hit / no cache",
+        "worker / model step, batch 1",
+        "worker / dense step, batch 2",
+        "model step / dense step, batch 2",
+    ]
+    for t in bench["targets"]:
+        assert t["met"] == (t["value"] <= t["bound"] if t["at_most"] else t["value"] >= t["bound"])
+    assert "w/dense" in printed.out and "target: worker / dense step, batch 2" in printed.out
 
     ratios = bench["ratios"]
     base = no_cache["ttft"]["median_s"]

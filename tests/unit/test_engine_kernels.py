@@ -1,4 +1,6 @@
-"""Triton kernels against their torch references on CPU, under TRITON_INTERPRET=1 (STYLE: Tests).
+"""Triton kernels against their torch references on CPU, under TRITON_INTERPRET=1 (STYLE: Tests),
+and the torch paths the CPU engine runs (pages gathered for one fused attention call; the
+contiguous rows of `KVRows`) against both.
 
 Triton decides at `@triton.jit` time whether a kernel is interpreted, so the Triton side runs in
 a child process started with TRITON_INTERPRET=1 and STRATA_KERNEL_BACKEND=triton. The child
@@ -21,13 +23,16 @@ import torch
 from client import KVLayout
 from engine.checkpoint import load_checkpoint
 from engine.kernels import (
+    dense_decode_attention,
     paged_decode_attention,
+    paged_decode_attention_gathered,
     paged_decode_attention_reference,
     select_backend,
     write_kv,
     write_kv_reference,
 )
 from engine.kv_pool import PagedKVPool
+from engine.kv_rows import KVRows
 from engine.model import DecoderModel
 from engine.presets import init_checkpoint
 from engine.reference import dense_logits
@@ -212,6 +217,35 @@ def test_paged_decode_attention_matches_reference(
     torch.testing.assert_close(want.double(), _naive_decode(r), atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_torch_attention_paths_match_triton_and_reference(
+    triton_run: dict[str, dict[str, torch.Tensor]], case: str
+) -> None:
+    r = triton_run[case]
+    pool, query, tables, lens = r["pool"], r["query"], r["tables"], r["seq_lens"]
+    kc, vc = pool[:, 0, 0], pool[:, 0, 1]
+    want = paged_decode_attention_reference(query, kc, vc, tables, lens, scale=r["scale"])
+    tol = 1e-5 if query.dtype == torch.float32 else 2e-3
+    gathered = paged_decode_attention(
+        query, kc, vc, tables, lens, scale=r["scale"], backend="torch"
+    )
+    assert gathered.dtype == query.dtype and gathered.shape == query.shape
+    # each sequence's pages as one block [kv_heads, span, head_dim], padded to the longest
+    page = kc.shape[1]
+    span = int(lens.max())
+    width = -(-span // page)
+    blocks = [
+        torch.cat([torch.stack([c[p] for p in row[:width].tolist()]) for row in tables])
+        .reshape(len(lens), width * page, *c.shape[2:])[:, :span]
+        .transpose(1, 2)
+        for c in (kc, vc)
+    ]
+    dense = dense_decode_attention(query, blocks[0], blocks[1], lens, scale=r["scale"])
+    for got in (gathered, dense):
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+        torch.testing.assert_close(got, r["out"], atol=2 * tol, rtol=0)
+
+
 def test_model_decode_under_triton_matches_torch(
     triton_run: dict[str, dict[str, list[torch.Tensor]]], tiny_dir: Path
 ) -> None:
@@ -221,11 +255,20 @@ def test_model_decode_under_triton_matches_torch(
     pool = PagedKVPool(model.kv_layout(4), 12)
     for prompt, table in zip(r["prompts"], r["tables"], strict=True):
         model(torch.tensor(prompt), None, pool, table, 0)
+    mirrored = PagedKVPool(model.kv_layout(4), 12)
+    mirrored.tensor.copy_(pool.tensor)
+    rows = KVRows(mirrored, max_rows=2, max_tokens=16)
+    handles = [rows.attach(16), rows.attach(16)]
     tokens, ctx = [11, 22], [len(p) for p in r["prompts"]]
     seqs = [[*p, t] for p, t in zip(r["prompts"], tokens, strict=True)]
     for got in r["steps"]:
         want = model.decode_step(torch.tensor(tokens), None, pool, r["tables"], ctx)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        step = rows.prepare(handles, r["tables"], ctx)  # the CPU engine's path: K/V in rows
+        in_rows = model.decode_step(
+            torch.tensor(tokens), None, mirrored, r["tables"], ctx, rows=step
+        )
+        torch.testing.assert_close(got, in_rows, atol=1e-4, rtol=0)
         for b, seq in enumerate(seqs):
             torch.testing.assert_close(
                 got[b], dense_logits(model, torch.tensor(seq))[-1], atol=2e-4, rtol=0
@@ -285,6 +328,49 @@ def test_paged_decode_attention_rejects_bad_arguments() -> None:
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             paged_decode_attention(*args)
+
+
+def test_dense_decode_attention_rejects_bad_arguments() -> None:
+    q = torch.zeros(2, 4, 8)
+    k = torch.zeros(2, 2, 6, 8)
+    lens = torch.tensor([5, 6])
+    assert dense_decode_attention(q, k, k, lens).shape == (2, 4, 8)
+    assert dense_decode_attention(q[:0], k[:0], k[:0]).shape == (0, 4, 8)
+    bad = [
+        ((torch.zeros(2, 32), k, k, lens), "query"),
+        ((q, k[0], k[0], lens), "keys and values"),
+        ((q, k, k[:, :, :5], lens), "keys and values"),
+        ((torch.zeros(3, 4, 8), k, k, lens), "do not fit"),
+        ((torch.zeros(2, 3, 8), k, k, lens), "multiple"),
+        ((q, k[:, :, :0], k[:, :, :0], None), "no position"),
+        ((q.half(), k, k, lens), "dtype"),
+        ((q, k, k, lens[:1]), "seq_lens"),
+        ((q, k, k, lens.float()), "int32 or int64"),
+        ((q, k, k, torch.tensor([0, 6])), r"\[1, 6\]"),
+        ((q, k, k, torch.tensor([5, 7])), r"\[1, 6\]"),
+        ((q, torch.zeros(2, 2, 8, 6).transpose(2, 3), k, lens), "stride"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            dense_decode_attention(*args)
+
+
+def test_gathered_path_reads_only_the_pages_it_needs() -> None:
+    kc, vc = _caches(pages=6)
+    gen = torch.Generator().manual_seed(3)
+    kc.copy_(torch.randn(kc.shape, generator=gen))
+    vc.copy_(torch.randn(vc.shape, generator=gen))
+    q = torch.randn(2, 4, 8, generator=gen)
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    # tables far wider than the lengths, with junk past each sequence's pages
+    tables = torch.tensor([[4, -7, 99, 0], [1, 5, 12345, -1]], dtype=torch.int32)
+    want = paged_decode_attention_reference(q, kc, vc, tables, lens)
+    torch.testing.assert_close(paged_decode_attention_gathered(q, kc, vc, tables, lens), want)
+    full = torch.tensor([8, 8], dtype=torch.int32)  # both sequences fill their pages: no mask
+    torch.testing.assert_close(
+        paged_decode_attention_gathered(q, kc, vc, tables[:, :2].abs() % 6, full),
+        paged_decode_attention_reference(q, kc, vc, tables[:, :2].abs() % 6, full),
+    )
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:

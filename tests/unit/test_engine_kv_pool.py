@@ -7,6 +7,7 @@ import torch
 
 from client import KVLayout, Scope, decode_page, encode_page, make_header
 from engine.kv_pool import PagedKVPool, PoolExhausted
+from engine.kv_rows import KVRow, KVRows
 
 pytestmark = pytest.mark.unit
 
@@ -133,3 +134,89 @@ def test_pool_rejects_unsupported_dtype_and_size() -> None:
         PagedKVPool(LAYOUT, 2, torch.float64)
     with pytest.raises(ValueError, match="positive"):
         PagedKVPool(LAYOUT, 0)
+
+
+def _row_tokens(rows: KVRows, row: KVRow, count: int) -> torch.Tensor:
+    """`[count, layers, 2, kv_heads, head_dim]` of a row's first tokens, for comparing with pages."""
+    return rows.tensor[row.index, :, :, :, :count].permute(3, 0, 1, 2, 4)
+
+
+def _pool_tokens(pool: PagedKVPool, table: list[int], count: int) -> torch.Tensor:
+    pages = pool.tensor[torch.tensor(table)]  # [n, layers, 2, page_tokens, kv_heads, head_dim]
+    flat = pages.permute(0, 3, 1, 2, 4, 5).reshape(-1, *pages.shape[1:3], *pages.shape[4:])
+    return flat[:count]
+
+
+def test_rows_mirror_the_pool_and_plan_a_step() -> None:
+    pool = _filled(pages=12)
+    rows = KVRows(pool, max_rows=3, max_tokens=16)
+    tables = [[5, 1, 9], [0, 7, 3, 2]]
+    handles = [rows.attach(12), rows.attach(16)]
+    assert [h.index for h in handles] == [0, 1] and rows.count == 2
+    assert rows.capacity_tokens >= 16
+    step = rows.prepare(handles, tables, [6, 13])  # copies tokens 0..5 and 0..12 from the pool
+    assert [h.length for h in handles] == [7, 14]
+    for h, table, n in zip(handles, tables, [6, 13], strict=True):
+        torch.testing.assert_close(_row_tokens(rows, h, n), _pool_tokens(pool, table, n))
+    assert step.in_order and step.span == 14 and step.lengths is not None
+    assert step.lengths.tolist() == [7, 14] and step.positions.tolist() == [6, 13]
+    # the step's new K/V land at each row's position; the views are the rows themselves
+    key = torch.randn(2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    value = torch.randn(2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    step.write(2, key, value)
+    keys = step.keys(2)
+    assert keys.shape == (2, LAYOUT.num_kv_heads, 14, LAYOUT.head_dim)
+    assert keys.data_ptr() == rows.tensor[0, 2, 0].data_ptr()  # a view, not a copy
+    torch.testing.assert_close(keys[0, :, 6], key[0])
+    torch.testing.assert_close(step.values(2)[1, :, 13], value[1])
+    # a row already caught up copies nothing more: its values stay what the step wrote
+    pool.tensor[5].zero_()
+    rows.prepare(handles, tables, [7, 14])
+    torch.testing.assert_close(rows.tensor[0, 2, 0, :, 6], key[0])
+
+
+def test_rows_release_compacts_and_growth_keeps_rows() -> None:
+    pool = _filled(pages=12)
+    rows = KVRows(pool, max_rows=3, max_tokens=40)
+    tables = [[0, 1], [2, 3], [4, 5]]
+    handles = [rows.attach(8) for _ in tables]
+    assert rows.capacity_tokens == 8
+    rows.prepare(handles, tables, [3, 5, 6])
+    before = _row_tokens(rows, handles[2], 7).clone()
+    rows.release(handles[0])  # the last row moves into row 0
+    assert handles[0].index == -1 and handles[2].index == 0 and rows.count == 2
+    torch.testing.assert_close(_row_tokens(rows, handles[2], 7), before)
+    step = rows.prepare([handles[1], handles[2]], [tables[1], tables[2]], [6, 7])
+    assert not step.in_order and step.index.tolist() == [1, 0]
+    # out of order, the views are copies in the batch's order
+    torch.testing.assert_close(step.keys(0)[1, :, :7], rows.tensor[0, 0, 0, :, :7])
+    # a longer sequence grows the capacity; the rows in use keep their tokens
+    kept = _row_tokens(rows, handles[1], 6).clone()
+    longer = rows.attach(30)
+    assert rows.capacity_tokens >= 30 and longer.index == 2
+    torch.testing.assert_close(_row_tokens(rows, handles[1], 6), kept)
+    assert bool(torch.isfinite(rows.tensor[:3]).all())  # padding is zeros, never garbage
+
+
+def test_rows_refuse_misuse() -> None:
+    pool = _filled(pages=12)
+    rows = KVRows(pool, max_rows=2, max_tokens=8)
+    a, b = rows.attach(8), rows.attach(8)
+    with pytest.raises(ValueError, match="all 2 rows"):
+        rows.attach(8)
+    with pytest.raises(ValueError, match="capacity"):
+        KVRows(pool, max_rows=2, max_tokens=8).attach(9)
+    with pytest.raises(ValueError, match="past the row's capacity"):
+        rows.prepare([a], [[0, 1]], [8])
+    rows.prepare([a], [[0, 1]], [5])
+    with pytest.raises(ValueError, match="holds 6 tokens"):
+        rows.prepare([a], [[0, 1]], [3])
+    with pytest.raises(ValueError, match="cannot hold"):
+        rows.prepare([b], [[2]], [6])
+    rows.release(b)
+    with pytest.raises(ValueError, match="not in use"):
+        rows.release(b)
+    with pytest.raises(ValueError, match="not in use"):
+        rows.prepare([b], [[2, 3]], [1])
+    with pytest.raises(ValueError, match="1 rows, 2 block tables"):
+        rows.prepare([a], [[0, 1], [2, 3]], [6, 1])

@@ -11,7 +11,7 @@ import torch
 from engine.errors import InvalidRequest
 from engine.output import OutputText
 from engine.requests import FinishReason, validate_prompt
-from engine.sampling import Sampler, SamplingError, SamplingParams, step_seed
+from engine.sampling import Sampler, SamplingError, SamplingParams, sample_tokens, step_seed
 from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
@@ -100,6 +100,45 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     assert probs[:3].sum() > 0.9 > probs[:2].sum()
     nucleus = Sampler(SamplingParams(temperature=1.0, top_p=0.9, seed=5))
     assert {nucleus.sample(logits, s) for s in range(200)} == {0, 1, 2}
+
+
+def test_batched_draws_equal_single_draws_whatever_the_batch() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(7)) * 3
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, seed=1),
+        SamplingParams(temperature=1.3, top_k=5, seed=2),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=3),
+        SamplingParams(temperature=2.0, top_k=40, top_p=0.9, seed=4),
+        SamplingParams(temperature=0.5, seed=1),
+    ]
+    samplers = [Sampler(p) for p in params]
+    steps = [0, 3, 1, 4, 1, 3]
+    together = sample_tokens(logits, samplers, steps)
+    assert together == [s.sample(logits[b], steps[b]) for b, s in enumerate(samplers)]
+    assert together[0] == int(logits[0].argmax())
+    order = [5, 2, 0, 4, 1, 3]  # another batch order: every row draws the same
+    shuffled = sample_tokens(logits[order], [samplers[i] for i in order], [steps[i] for i in order])
+    assert shuffled == [together[i] for i in order]
+    assert sample_tokens(logits[[3]], [samplers[3]], [steps[3]]) == [together[3]]
+    with pytest.raises(ValueError, match="2 samplers, 1 steps"):
+        sample_tokens(logits[:2], samplers[:2], steps[:1])
+
+
+def test_draws_follow_the_distribution() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -0.5] + [-30.0] * 60)
+    n = 4000
+    for params, support in [
+        (SamplingParams(temperature=1.0, seed=11), 4),
+        (SamplingParams(temperature=1.0, top_k=2, seed=12), 2),
+        (SamplingParams(temperature=0.5, top_p=0.95, seed=13), 2),
+    ]:
+        sampler = Sampler(params)
+        tokens = sample_tokens(logits.expand(n, -1), [sampler] * n, list(range(n)))
+        counts = torch.bincount(torch.tensor(tokens), minlength=logits.numel()).float() / n
+        want = torch.softmax(logits[:support] / params.temperature, dim=-1)
+        assert counts[support:].sum() == 0  # nothing outside the kept support
+        torch.testing.assert_close(counts[:support], want, atol=0.03, rtol=0)
 
 
 def _run(text: OutputText, tokens: list[int]) -> tuple[list[str], FinishReason | None]:

@@ -403,6 +403,30 @@ def test_colocated_matches_and_interleaves_prefill_chunks(runtime: ModelRuntime)
         worker.stop(5)
 
 
+def test_requests_that_end_apart_keep_their_rows_right(runtime: ModelRuntime) -> None:
+    """Requests of different prompt lengths and lengths decoded together: each one that ends
+    moves another's K/V row (CPU), and every request still gives the reference's tokens."""
+    worker = ColocatedWorker(runtime, None, max_batch=4, step_token_budget=64, chunk_tokens=32)
+    try:
+        assert worker.rows is not None  # the CPU path under test
+        cases = [
+            (prompt_of(runtime, n, seed=30 + n), m)
+            for n, m in ((9, 6), (40, 20), (23, 3), (70, 14), (5, 9))
+        ]
+        streams = [
+            worker.submit(
+                DecodeRequest(tuple(p), (), SamplingParams(max_tokens=m, ignore_eos=True))
+            )
+            for p, m in cases
+        ]
+        for (prompt, count), stream in zip(cases, streams, strict=True):
+            assert list(stream.result().token_ids) == reference(runtime, prompt, count)
+        assert worker.wait_idle(5) and worker.rows.count == 0
+        assert worker.pool.num_free == worker.pool.num_pages
+    finally:
+        worker.stop(5)
+
+
 def test_seeded_sampling_is_the_same_split_or_not(
     runtime: ModelRuntime, workers: tuple[PrefillWorker, DecodeWorker]
 ) -> None:
