@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="base URL of the OpenAI API, e.g. http://127.0.0.1:8000/v1")
     where.add_argument("--up", action="store_true", help="start a fresh `strata up` and test it")
+    where.add_argument("--store", help="load a store daemon (gRPC address) through the SDK instead")
     ap.add_argument(
         "--up-args", default=None, help="arguments for `strata up` (default: the tiny preset)"
     )
@@ -61,6 +62,8 @@ def main(argv: Sequence[str]) -> int:
     except (WorkloadError, ValueError) as exc:
         print(f"strata loadtest: {exc}", file=sys.stderr)
         return 2
+    if args.store:
+        return _run_store(args, spec, rates[0])
     try:
         with _target(args) as (base_url, model):
             print(
@@ -243,3 +246,101 @@ def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: f
         seed=spec.seed,
         notes=notes,
     )
+
+
+def _run_store(args: argparse.Namespace, spec, rate: float | None) -> int:
+    """The workload's requests as store operations (lookup, get hits, put misses), open loop;
+    every gRPC call reported to locust by the interceptor; prints locust's table per method."""
+    import json
+
+    import gevent
+    from locust.env import Environment
+
+    from client import gevent_support
+    from loadtests.live.grpc_user import StoreLoad, instrumented_client, load_scope
+    from loadtests.live.openloop import OpenLoop
+    from loadtests.workload import generate_requests
+
+    gevent_support.init()
+    env = Environment(user_classes=[])
+    env.create_local_runner()
+
+    def report(
+        method: str, seconds: float, sent: int, received: int, error: BaseException | None
+    ) -> None:
+        env.events.request.fire(
+            request_type="grpc",
+            name=method,
+            response_time=seconds * 1e3,
+            response_length=sent + received,
+            exception=error,
+            context={},
+        )
+
+    duration = args.duration or spec.duration_s
+    requests = generate_requests(spec, rate=rate, duration_s=duration)
+    client = instrumented_client(args.store, report, timeout_s=args.request_timeout)
+    load = StoreLoad(client, spec, load_scope(spec))
+    greenlets: list[gevent.Greenlet] = []
+    errors: list[str] = []
+
+    def fire(index: int, intended: float, sent: float) -> None:
+        try:
+            load.serve(requests[index])
+        except Exception as exc:  # a store error is a result of the load test, not its crash
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    loop = OpenLoop(
+        [r.arrival_s for r in requests],
+        fire,
+        spawn=lambda fn: greenlets.append(gevent.spawn(fn)),
+        sleep=gevent.sleep,
+        deadline_s=duration,
+        max_lag_s=args.max_lag_ms / 1e3,
+    )
+    print(
+        f"store load {spec.name} against {args.store}: {len(requests)} requests over {duration:g}s",
+        flush=True,
+    )
+    schedule = loop.run()
+    gevent.joinall(greenlets, timeout=args.request_timeout)
+    client.close()
+    rows = []
+    print(
+        "| call | requests | failures | median ms | p99 ms | mean bytes |\n|---|---|---|---|---|---|"
+    )
+    for (name, _kind), entry in sorted(env.stats.entries.items()):
+        mean_bytes = entry.total_content_length / entry.num_requests if entry.num_requests else 0
+        print(
+            f"| {name} | {entry.num_requests} | {entry.num_failures} | {entry.median_response_time} "
+            f"| {entry.get_response_time_percentile(0.99)} | {mean_bytes:.0f} |"
+        )
+        rows.append(
+            {
+                "call": name,
+                "requests": entry.num_requests,
+                "failures": entry.num_failures,
+                "median_ms": entry.median_response_time,
+                "p99_ms": entry.get_response_time_percentile(0.99),
+                "mean_bytes": mean_bytes,
+            }
+        )
+    print(
+        f"schedule: {schedule.sent}/{schedule.intended} sent, lag p99 {schedule.p99_lag_s * 1e3:.2f} ms"
+        + (" (INVALID: the client fell behind)" if schedule.behind else "")
+        + f"; {len(errors)} errors"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "store_calls.json").write_text(
+        json.dumps(
+            {
+                "calls": rows,
+                "errors": errors[:50],
+                "lag_p99_s": schedule.p99_lag_s,
+                "valid": not schedule.behind,
+            },
+            indent=2,
+        )
+    )
+    return 0 if not errors else 1
