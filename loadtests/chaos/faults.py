@@ -146,11 +146,12 @@ class FlipBytes(Fault):
 
 class StallClient(Fault):
     name = "stall-client"
+    dram = "96MiB"  # room for the victim's 16 MiB prompts beside everyone's pages
 
     def worker_args(self, env: PhaseEnv, index: int) -> list[str]:
-        if index == 0:  # the victim: big prompts, mostly puts, so often holding leases
+        if index == 0:  # the victim: 16 x 1 MiB prompts, so a copy is often in flight
             env.victims.add(0)
-            return ["--pages", "48", "--put-share", "0.6"]
+            return ["--pages", "16", "--page-kib", "1024", "--put-share", "0.5"]
         return []
 
     def inject(self, env: PhaseEnv, until: float) -> None:

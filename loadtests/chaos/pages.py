@@ -18,11 +18,17 @@ import xxhash
 from client import KVLayout, Page, Scope, build_pages, page_keys
 
 _BLOCK = 64
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_tokens=16)  # 32 KiB pages
+# page payload KiB -> layout (float16, 16 tokens a page)
+LAYOUTS = {
+    32: KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_tokens=16),
+    1024: KVLayout(num_layers=32, num_kv_heads=8, head_dim=64, page_tokens=16),
+}
 
 
-def chaos_scope(namespace: str, layout: KVLayout = LAYOUT) -> Scope:
-    """The scope of one chaos phase (a namespace per phase keeps phases' pages apart)."""
+def chaos_scope(namespace: str, page_kib: int = 32) -> Scope:
+    """The scope of one chaos phase (a namespace per phase keeps phases' pages apart) for
+    pages of `page_kib` KiB (32 or 1024)."""
+    layout = LAYOUTS[page_kib]
     return Scope(
         model_id="chaos/model", weights_revision="r1", tokenizer_fingerprint="t1",
         kv_dtype="float16", layout=layout, namespace=namespace,

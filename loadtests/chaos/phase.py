@@ -29,7 +29,7 @@ from functools import cache
 from pathlib import Path
 
 from client import ClusterClient, StoreClient, StrataError
-from loadtests.chaos.pages import chaos_scope, classify
+from loadtests.chaos.pages import LAYOUTS, chaos_scope, classify
 from loadtests.chaos.report import FaultResult, availability
 from loadtests.daemon import DaemonProcess, wait_for
 from loadtests.etcd import free_port
@@ -265,19 +265,26 @@ def _run(fault: Fault, env: PhaseEnv, load_s: float) -> FaultResult:
 def _check(
     fault: Fault, env: PhaseEnv, records: list[dict[str, object]], t_on: float, t_off: float
 ) -> FaultResult:
-    acked: dict[str, int] = {}
+    acked: dict[int, dict[str, int]] = {}  # page KiB -> key hex -> digest
     wrong_live: set[str] = set()
     calls: list[tuple[float, float, bool, str]] = []
     errors: dict[str, int] = {}
     for i, rec in enumerate(records):
-        acked.update(rec["acked"])  # type: ignore[arg-type]
+        acked.setdefault(int(rec["page_kib"]), {}).update(rec["acked"])  # type: ignore[arg-type, call-overload]
         wrong_live.update(rec["wrong"])  # type: ignore[arg-type]
         for name, n in rec["errors"].items():  # type: ignore[attr-defined]
             errors[name] = errors.get(name, 0) + n
         if i not in env.victims:
             calls.extend(tuple(c) for c in rec["calls"])  # type: ignore[attr-defined, misc]
     avail = availability(calls, t_on, t_off)
-    intact, missing, wrong_now = _read_back(env, [bytes.fromhex(k) for k in acked])
+    intact: list[bytes] = []
+    missing: list[bytes] = []
+    wrong_now: list[bytes] = []
+    for page_kib, keys in sorted(acked.items()):
+        a, b, c = _read_back(env, page_kib, [bytes.fromhex(k) for k in keys])
+        intact += a
+        missing += b
+        wrong_now += c
     env.mark("read back")
     wrong = wrong_live | {k.hex() for k in wrong_now}
     leaks = _leaks(env)
@@ -285,15 +292,17 @@ def _check(
     env.details["client_errors"] = errors
     env.details["served_wrong_during_load"] = len(wrong_live)
     return FaultResult(
-        fault.name, acknowledged=len(acked), intact=len(intact), missing=len(missing),
+        fault.name, acknowledged=sum(len(k) for k in acked.values()), intact=len(intact), missing=len(missing),
         wrong=len(wrong), leaks=leaks, availability=avail, notes=tuple(env.notes),
         details=env.details,
     )
 
 
-def _read_back(env: PhaseEnv, keys: list[bytes]) -> tuple[list[bytes], list[bytes], list[bytes]]:
+def _read_back(
+    env: PhaseEnv, page_kib: int, keys: list[bytes]
+) -> tuple[list[bytes], list[bytes], list[bytes]]:
     """Read every acknowledged page once through a fresh client (the default data path)."""
-    scope = chaos_scope(env.scope_name)
+    scope = chaos_scope(env.scope_name, page_kib)
     size = scope.page_payload_bytes
     client: StoreClient | ClusterClient
     if env.etcd_url:
@@ -304,7 +313,7 @@ def _read_back(env: PhaseEnv, keys: list[bytes]) -> tuple[list[bytes], list[byte
     intact: list[bytes] = []
     missing: list[bytes] = []
     wrong: list[bytes] = []
-    batch = 32
+    batch = 32 if page_kib <= 32 else 4
     into = [bytearray(size) for _ in range(batch)]
     errors = 0
     try:
@@ -335,7 +344,7 @@ def _read_back(env: PhaseEnv, keys: list[bytes]) -> tuple[list[bytes], list[byte
 def _leaks(env: PhaseEnv) -> int:
     """Leases and pages that outlive their owners, and what `check_integrity()` says at stop."""
     leaks = 0
-    scope = chaos_scope(env.scope_name)
+    scopes = [chaos_scope(env.scope_name, kib) for kib in LAYOUTS]
     bound_s = 2 * LEASE_TTL_MS / 1000 + 3
     for n, daemon in enumerate(env.daemons):
         with env.stats_client(daemon) as c:
@@ -346,7 +355,8 @@ def _leaks(env: PhaseEnv) -> int:
                                  f"every client stopped")
             for attempt in range(5):  # a delete may meet an injected SSD error: it is retried
                 try:
-                    c.delete(scope=scope)
+                    for scope in scopes:
+                        c.delete(scope=scope)
                     break
                 except StrataError as exc:
                     if attempt == 4:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from client import ClusterClient, PutStatus, StoreClient, StrataError
-from loadtests.chaos.pages import chaos_scope, digest, expected, is_intact, prompt
+from loadtests.chaos.pages import LAYOUTS, chaos_scope, digest, expected, is_intact, prompt
 
 Client = StoreClient | ClusterClient
 
@@ -46,8 +46,9 @@ def _client(ns: argparse.Namespace) -> Client:
 class Record:
     """What this worker saw: acknowledged pages, wrong pages, and every call's outcome."""
 
-    def __init__(self, worker_id: int) -> None:
+    def __init__(self, worker_id: int, page_kib: int) -> None:
         self.worker_id = worker_id
+        self.page_kib = page_kib
         self.acked: dict[str, int] = {}  # key hex -> payload digest
         self.wrong: dict[str, float] = {}  # key hex -> when first served wrong
         self.calls: list[tuple[float, float, bool, str]] = []  # start, end, ok, op
@@ -62,6 +63,7 @@ class Record:
     def to_json(self) -> dict[str, object]:
         return {
             "worker_id": self.worker_id,
+            "page_kib": self.page_kib,
             "acked": self.acked,
             "wrong": self.wrong,
             "calls": self.calls,
@@ -72,10 +74,10 @@ class Record:
 
 
 def run(ns: argparse.Namespace, stop: threading.Event) -> Record:
-    scope = chaos_scope(ns.namespace)
+    scope = chaos_scope(ns.namespace, ns.page_kib)
     size = scope.page_payload_bytes
     rng = random.Random(ns.seed)
-    record = Record(ns.worker_id)
+    record = Record(ns.worker_id, ns.page_kib)
     prompts: list[tuple[int, tuple[bytes, ...]]] = []  # acknowledged prompts, oldest first
     next_id = ns.worker_id * 1_000_000_000
     into = [bytearray(size) for _ in range(ns.pages)]
@@ -126,7 +128,7 @@ def run(ns: argparse.Namespace, stop: threading.Event) -> Record:
 def _check(
     record: Record, keys: Sequence[bytes], entries: Sequence[object], into: Sequence[bytearray]
 ) -> None:
-    for key, entry, buf in zip(keys, entries, into, strict=False):
+    for key, entry, buf in zip(keys, entries, into[: len(keys)], strict=True):
         record.gets_pages += 1
         if entry is None:
             continue
@@ -146,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rate", type=float, default=40.0, help="calls per second")
     p.add_argument("--pages", type=int, default=8, help="pages per prompt")
+    p.add_argument("--page-kib", type=int, choices=sorted(LAYOUTS), default=32)
     p.add_argument("--put-share", type=float, default=0.4)
     p.add_argument("--duration", type=float, default=60.0, help="upper bound, seconds")
     p.add_argument("--timeout", type=float, default=2.0, help="deadline of each call")
