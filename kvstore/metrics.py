@@ -47,6 +47,7 @@ class StoreCounters:
     ssd_read_errors: int = 0  # I/O errors (not checksum failures) on SSD reads: served as misses
     ssd_write_errors: int = 0  # failed SSD writes (demotions, write-through, placement)
     stale_fenced: int = 0  # late calls on expired leases and torn reads stopped by the fences
+    shm_put_corrupt: int = 0  # same-host puts whose payload failed the daemon's check: dropped
     quarantined_slots: int = 0  # slots of expired same-host leases held until their holder is done
     lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -1,7 +1,9 @@
 """Background movement: write-through copies, watermark demotion and lease expiry.
 
 One thread. Each pass (on a kick — a write that took DRAM above its high watermark, a queued
-write-through copy, a drain — or every `interval_s`): end expired leases; copy queued
+write-through copy, a drain — or every `interval_s`): end expired leases; check the payloads of
+same-host puts not checked yet (a batch per pass; a reader never waits for this: it checks a
+page it wants itself); copy queued
 write-through pages to SSD; and, while DRAM is above its high watermark, demote least valuable
 pages until it is below the low one. SSD writes run as I/O class BACKGROUND (so they yield to
 reads and respect the background bandwidth cap), with the page pinned and the store lock free.
@@ -38,6 +40,7 @@ class Mover:
         reap_leases: Callable[[], int],
         unpin: Callable[[bytes], None],
         interval_s: float = 0.2,
+        verify: Callable[[], int] | None = None,
     ) -> None:
         self._lock = lock
         self._tiers = tiers
@@ -46,6 +49,7 @@ class Mover:
         self._low = dram.low_watermark
         self._reap = reap_leases
         self._unpin = unpin
+        self._verify = verify  # checks same-host puts' payloads (Store.verify_same_host_puts)
         self._interval_s = interval_s
         self._queue: deque[bytes] = deque()
         self._cond = threading.Condition()
@@ -113,6 +117,8 @@ class Mover:
 
     def _pass(self) -> None:
         self._reap()
+        if self._verify is not None:
+            self._verify()
         while True:
             with self._cond:
                 if not self._queue:

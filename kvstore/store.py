@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from client.page import PageHeader, quick_check
+from client.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
 from client.scope import KEY_BYTES, Scope
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -175,12 +175,23 @@ class Store:
         self._doomed: set[bytes] = set()
         # pages put again while their deleted predecessor is still leased: stored when it goes
         self._replacing: dict[bytes, _Pending] = {}
+        # same-host puts whose payload checksum the daemon has not checked yet: no reader gets
+        # one before it is checked (by the mover's pass, or by the acquire that wants it)
+        self._unverified: set[bytes] = set()
+        self._corrupt_pinned: set[bytes] = set()  # failed that check, waiting for their pins
+        self._replacing_unverified: set[bytes] = set()  # same-host puts among `_replacing`
         self.quarantine = Quarantine(config.limits.quarantine_max_ms / 1000.0)
         self._scopes: OrderedDict[bytes, Scope] = OrderedDict()
         self._ssd_pool: ThreadPoolExecutor | None = None
         self.rebuilt_pages = self._rebuild()
         self.mover = Mover(
-            self._lock, self.tiers, self.scheduler, config.dram, self.reap_leases, self._unpin
+            self._lock,
+            self.tiers,
+            self.scheduler,
+            config.dram,
+            self.reap_leases,
+            self._unpin,
+            verify=self.verify_same_host_puts,
         )
         self.mover.start()
 
@@ -420,6 +431,8 @@ class Store:
                     # put again while its deleted predecessor is still leased: stored (and
                     # visible) when the predecessor's last lease ends
                     self._replacing[key] = pending
+                    if path == "shm":
+                        self._replacing_unverified.add(key)
                     replacing += 1
                     continue
                 if key in index or key in self._replacing:  # stored meanwhile by another path
@@ -438,6 +451,8 @@ class Store:
                     )
                 )
             index.insert_many(entries, checked=True)  # built from headers plan_put checked
+            if path == "shm":  # copied in by a client: checked off its critical path
+                self._unverified.update(e.key for e in entries)
             self.events.publish_many(
                 [
                     (EventKind.STORED, e.key, e.scope_digest, e.payload_bytes, None, Tier.DRAM)
@@ -526,12 +541,19 @@ class Store:
                 )
             for _ in range(misses):
                 self._count_miss(Tier.GPU if self.tiers.gpu else Tier.DRAM, through_ssd=True)
-            if not slow:
+            unverified = self._unverified
+            check = [i for i, h in enumerate(held) if h is not None and keys[i] in unverified]
+            if not slow and not check:
                 self._count_hits(hit_tiers)
                 if not pinned:
                     return Acquisition(0, tuple(held), 0)
                 lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
                 return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
+        if check:  # same-host puts not checked yet: checked now, before anyone reads them
+            for i in self._check_same_host_puts([keys[i] for i in check], check):
+                held[i] = None
+                pinned.remove(keys[i])
+                hit_tiers.remove(_DRAM if _DRAM in hit_tiers else hit_tiers[0])
         # SSD pages are read straight into DRAM slots taken now (lock free while reading).
         # Whatever goes wrong from here on, every pin and slot taken is given back.
         slots: dict[int, int] = {}
@@ -607,6 +629,76 @@ class Store:
                     self._unpin(key)
             raise
         return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
+
+    def verify_same_host_puts(self, limit: int = 256) -> int:
+        """Check the payload checksums of up to `limit` same-host puts not checked yet (the
+        mover calls this each pass); a bad page is dropped and counted. Mutates. Returns how
+        many were checked."""
+        with self._lock:
+            if not self._unverified:
+                return 0
+            keys = list(itertools.islice(self._unverified, limit))
+        self._check_same_host_puts(keys, list(range(len(keys))), background=True)
+        return len(keys)
+
+    def _check_same_host_puts(
+        self, keys: Sequence[bytes], tags: Sequence[int], *, background: bool = False
+    ) -> list[int]:
+        """Verify the DRAM payloads of same-host puts `keys`, lock free; drop and count the bad
+        ones. Returns the `tags` of the bad. The caller (an acquire) holds a pin on each page,
+        which goes for the bad ones. `background` (the mover): no pins (a pin would count as a
+        use and reorder eviction); a page freed meanwhile (its slot generation moved) is left
+        for the next pass."""
+        dram = self.tiers.dram
+        todo: list[tuple[int, bytes, PageEntry, int, memoryview, int]] = []
+        known_bad: list[tuple[int, bytes]] = []
+        with self._lock:
+            for tag, key in zip(tags, keys, strict=True):
+                if key in self._corrupt_pinned:  # found bad by another check, still pinned
+                    if not background:
+                        known_bad.append((tag, key))
+                    continue
+                entry = self.index.get(key)
+                if entry is None or entry.dram is None or key not in self._unverified:
+                    self._unverified.discard(key)
+                    continue
+                want = checked_payload_checksum(entry.header)
+                view = dram.view(entry.dram, entry.payload_bytes)
+                todo.append((tag, key, entry, dram.generation(entry.dram), view, want))
+        results = [
+            (tag, key, entry, gen, payload_checksum(view) == want)
+            for tag, key, entry, gen, view, want in todo
+        ]
+        bad: list[int] = []
+        with self._lock:
+            for tag, key in known_bad:
+                bad.append(tag)
+                self._unpin(key)
+            for tag, key, entry, gen, ok in results:
+                if background and (
+                    self.index.get(key) is not entry
+                    or entry.dram is None
+                    or dram.generation(entry.dram) != gen
+                ):
+                    continue  # it moved or went while being checked: the result says nothing
+                self._unverified.discard(key)
+                if ok:
+                    continue
+                bad.append(tag)
+                log.warning("same-host put of page %s failed its checksum: dropped", key.hex())
+                with self.counters.lock:
+                    self.counters.shm_put_corrupt += 1
+                    self.counters.corrupt_dropped += 1
+                if background:
+                    self._drop_if_unpinned(entry)  # or, when a reader holds it, at its release
+                    if entry.leases:
+                        self._corrupt_pinned.add(key)
+                        self._doomed.add(key)
+                    continue
+                self._corrupt_pinned.add(key)
+                self._doomed.add(key)  # gone for new readers; dropped with its last pin
+                self._unpin(key)
+        return bad
 
     def _read_ssd(
         self, keys: Sequence[bytes], slots: dict[int, int], io_class: IoClass
@@ -773,6 +865,7 @@ class Store:
         if entry.leases:
             return
         self._doomed.discard(entry.key)
+        self._corrupt_pinned.discard(entry.key)
         self.tiers.drop(entry, reason_tier=None, count_eviction=False)
         self._install_replacement(entry.key)
 
@@ -781,6 +874,9 @@ class Store:
         pending = self._replacing.pop(key, None)
         if pending is None:
             return
+        if key in self._replacing_unverified:
+            self._replacing_unverified.discard(key)
+            self._unverified.add(key)
         header = pending.header
         entry = PageEntry(
             key,
@@ -814,6 +910,7 @@ class Store:
             deleted = 0
             for key in targets:
                 replacement = self._replacing.pop(key, None)
+                self._replacing_unverified.discard(key)
                 if replacement is not None:  # the page put again after an earlier delete
                     self.tiers.dram.free(replacement.offset)
                     deleted += 1

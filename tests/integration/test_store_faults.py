@@ -11,9 +11,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import Clients, DaemonFactory, RunningDaemon, assert_intact, read_back, singles
+from conftest import (
+    PAGE_BYTES,
+    Clients,
+    DaemonFactory,
+    RunningDaemon,
+    assert_intact,
+    keys_of,
+    payload_for,
+    read_back,
+    singles,
+)
 
-from client import PutStatus, Scope, StoreClient
+from client import Page, PutStatus, Scope, StoreClient
 from kvstore.tiers.faults import SsdFaults
 
 pytestmark = pytest.mark.integration
@@ -25,13 +35,14 @@ def on_ssd_only(d: RunningDaemon, client: StoreClient, scope: Scope, count: int)
     """Put `count` pages, then push them all out of DRAM to SSD (by filling DRAM with others)."""
     pages = singles(scope, count, seed=5)
     assert client.put(scope, pages).statuses == (PutStatus.STORED,) * count
-    filler = singles(scope, 64, seed=6)
-    for i in range(0, len(filler), 8):
-        client.put(scope, filler[i : i + 8])
-    d.store.drain()
-    for p in pages:
-        assert d.tier_of(p.header.key) == (3,), "page should be on SSD only"
-    return pages
+    for round_ in range(4):  # a page pinned for a moment (the mover checks puts) stays: again
+        filler = singles(scope, 64, seed=6 + round_)
+        for i in range(0, len(filler), 8):
+            client.put(scope, filler[i : i + 8])
+        d.store.drain()
+        if all(d.tier_of(p.header.key) == (3,) for p in pages):
+            return pages
+    raise AssertionError("pages should be on SSD only")
 
 
 @pytest.fixture
@@ -109,3 +120,51 @@ def test_a_segment_file_that_is_a_directory(small: RunningDaemon, scope: Scope) 
         os.rename(keep, seg)
     assert_intact(client, scope, pages)
     small.check()
+
+
+# ---- same-host puts are checked ------------------------------------------------------------------
+
+
+def bad_page(scope: Scope, seed: int) -> Page:
+    """A page whose payload is not the one its header's checksum was computed over."""
+    good = singles(scope, 1, seed=seed)[0]
+    return Page(good.header, payload_for(seed + 99_999, scope.page_payload_bytes))
+
+
+@pytest.mark.parametrize("reader", ["shm", "grpc"])
+def test_a_same_host_put_that_fails_its_checksum_is_never_served(
+    daemon_factory: DaemonFactory, scope: Scope, reader: str
+) -> None:
+    d = daemon_factory()
+    clients = Clients(d.client(shared_memory=True), d.client(shared_memory=False))
+    bad = bad_page(scope, 80)
+    good = singles(scope, 3, seed=81)
+    assert clients.shm.put(scope, [bad, *good]).stored == 4  # the writer is not slowed down
+    # read before the daemon's own pass: the get checks it on the spot
+    got = clients.by_path(reader).get(
+        scope, keys_of([bad, *good]), [bytearray(PAGE_BYTES) for _ in range(4)], verify=False
+    )
+    assert got.headers[0] is None and all(h is not None for h in got.headers[1:])
+    assert d.store.counters.shm_put_corrupt == 1
+    assert d.tier_of(bad.header.key) == ()  # dropped
+    assert_intact(clients.shm, scope, good)
+    d.check()
+
+
+def test_the_mover_checks_same_host_puts_off_the_writers_path(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
+    d = daemon_factory()
+    shm = d.client(shared_memory=True)
+    bad = bad_page(scope, 90)
+    good = singles(scope, 2, seed=91)
+    shm.put(scope, [bad, *good])
+    d.store.drain()  # one pass of the mover checks them
+    assert d.tier_of(bad.header.key) == ()
+    assert d.store.counters.shm_put_corrupt == 1
+    assert d.store.counters.corrupt_dropped >= 1
+    with d.store._lock:
+        assert not d.store._unverified
+    assert read_back(shm, scope, [bad]) == [None]
+    assert_intact(shm, scope, good)
+    d.check()
