@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -44,15 +43,21 @@ from pathlib import Path
 import torch
 
 from client import StoreClient, Tier, build_pages, page_keys
-from engine.decode import DecodeWorker
 from engine.prefill import PrefillWorker
 from engine.presets import PRESET_NAMES, init_checkpoint
-from engine.requests import DecodeRequest, DecodeResult, PrefillResult
+from engine.requests import PrefillResult
 from engine.runtime import ModelRuntime
-from engine.sampling import SamplingParams
+from loadtests.bench_engine_decode import (
+    BenchFailed,
+    Decode,
+    DecodeOptions,
+    Stat,
+    StepRates,
+    measure_decode,
+    progress,
+)
 from loadtests.bench_store import drop_page_cache
 from loadtests.daemon import DaemonProcess
-from loadtests.engine_steps import DenseStep, ModelSteps, time_call
 
 TARGET_DRAM_RATIO = 0.2  # a full DRAM hit: TTFT at most 1/5 of recomputing the prompt
 TARGET_DRAM_RATIO_NOW = 1 / 31  # and no worse than it was when decode batching was built
@@ -64,25 +69,6 @@ SSD_METHOD = (
     "pages put with tier=SSD under a fresh namespace per repetition, then the daemon restarted "
     "on the same folder (DRAM empty, memtables flushed, index rebuilt from SSD headers)"
 )
-
-
-class BenchFailed(RuntimeError):
-    """A measurement gave a wrong answer (a different first token, a partial hit)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Stat:
-    """Samples of a latency in seconds: the median and the p90 (nearest rank)."""
-
-    median_s: float
-    p90_s: float
-    samples_s: tuple[float, ...]
-
-    @classmethod
-    def of(cls, samples: Sequence[float]) -> Stat:
-        ordered = sorted(samples)
-        p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
-        return cls(statistics.median(ordered), p90, tuple(samples))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,43 +83,6 @@ class Ttft:
     hit_tokens: int
     computed_tokens: int
     first_token: int
-
-
-@dataclass(frozen=True, slots=True)
-class Decode:
-    """Decode throughput at one batch size: tokens after the first step over the span from the
-    first step to the last (so pulling pages is not counted; `end_to_end` counts it: all new
-    tokens over submit to last result). p90 is of the time per token, given as tokens/s (90% of
-    repetitions were at least this fast)."""
-
-    batch: int
-    new_tokens_per_request: int
-    tokens_per_s_median: float
-    tokens_per_s_p90: float
-    end_to_end_tokens_per_s_median: float
-    samples_tokens_per_s: tuple[float, ...]
-    hit_tokens_per_request: int
-    same_tokens_as_batch_1: bool
-
-
-@dataclass(frozen=True, slots=True)
-class StepRates:
-    """The worker's decode at one batch next to its reference steps at the prompt's context
-    (tokens/s: batch over the median step time), and the ratios of tokens/s between them."""
-
-    batch: int
-    context_tokens: int
-    worker_tokens_per_s: float
-    model_step_tokens_per_s: float
-    gathered_step_tokens_per_s: float
-    dense_step_tokens_per_s: float
-    model_step_median_s: float
-    gathered_step_median_s: float
-    dense_step_median_s: float
-    worker_to_model_step_ratio: float
-    worker_to_dense_ratio: float
-    model_step_to_dense_ratio: float
-    gathered_step_to_dense_ratio: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,10 +149,6 @@ class Options:
 DEFAULTS = Options()
 
 
-def progress(message: str) -> None:
-    print(f"  {message}", file=sys.stderr, flush=True)
-
-
 def prompt_ids(vocab_size: int, count: int, seed: int) -> list[int]:
     """`count` deterministic pseudo-random token ids (a prompt with no repeated structure)."""
     gen = torch.Generator().manual_seed(seed)
@@ -213,15 +158,6 @@ def prompt_ids(vocab_size: int, count: int, seed: int) -> list[int]:
 def ttft_s(result: PrefillResult) -> float:
     """Arrival to first token sampled (the publish wait after it is not part of TTFT)."""
     return result.timings.total_s - result.timings.publish_wait_s
-
-
-def decode_rate(times: Sequence[Sequence[float]]) -> float:
-    """Tokens/s of requests decoded together, from their token times: the tokens sampled after
-    the first step, over the span from the first step to the last."""
-    start = min(t[0] for t in times)
-    end = max(t[-1] for t in times)
-    tokens = sum(1 for ts in times for t in ts if t > start)
-    return tokens / (end - start) if end > start else 0.0
 
 
 def _ttft(name: str, source: str, results: list[PrefillResult]) -> Ttft:
@@ -286,111 +222,6 @@ def measure_prefill(
     return (
         _ttft("TTFT no cache", "recomputed", no_cache),
         _ttft("TTFT full hit, DRAM", "DRAM tier", hits),
-    )
-
-
-def measure_decode(
-    runtime: ModelRuntime, client: StoreClient, ids: list[int], first: int, opts: Options
-) -> tuple[tuple[Decode, ...], tuple[StepRates, ...]]:
-    """Decode throughput at batch 1 and each of `opts.batches`, pulling the prompt's pages each
-    time, with the reference steps at each batch timed between the repetitions."""
-    out: list[Decode] = []
-    steps: list[StepRates] = []
-    reference: tuple[int, ...] = ()
-    params = SamplingParams(max_tokens=1 + opts.new_tokens, ignore_eos=True)
-    request = DecodeRequest(tuple(ids), (first,), params, DRAM_NAMESPACE)
-    for batch in sorted({1, *opts.batches}):
-        calls = (opts.decode_reps + 1) * opts.reference_steps
-        model = ModelSteps(runtime, batch, len(ids), calls, opts.seed)
-        dense = DenseStep(runtime, batch, len(ids), calls, opts.seed)
-        worker = DecodeWorker(
-            runtime,
-            client,
-            max_batch=batch,
-            chunk_tokens=opts.chunk_tokens,
-            kv_capacity_tokens=batch * runtime.max_context,
-        )
-        model_s: list[float] = []
-        gathered_s: list[float] = []
-        dense_s: list[float] = []
-        try:
-            worker.generate(ids, (first,), SamplingParams(max_tokens=3), namespace=DRAM_NAMESPACE)
-            rates, e2e, same = [], [], True
-            results: list[DecodeResult] = []
-            for rep in range(-1, opts.decode_reps):  # round -1 warms the references up
-                for _ in range(opts.reference_steps):
-                    m = time_call(runtime, model.model_step)
-                    g = time_call(runtime, model.gathered_step)
-                    d = time_call(runtime, dense)
-                    model.advance()
-                    if rep >= 0:
-                        model_s.append(m)
-                        gathered_s.append(g)
-                        dense_s.append(d)
-                if rep < 0:
-                    continue
-                began = time.monotonic()
-                streams = [worker.submit(request) for _ in range(batch)]
-                results = [s.result() for s in streams]
-                ended = max(r.token_times_s[-1] for r in results)
-                for r in results:
-                    if len(r.token_ids) != opts.new_tokens:
-                        raise BenchFailed(f"decode gave {len(r.token_ids)} tokens")
-                    reference = reference or r.token_ids
-                    same = same and r.token_ids == reference
-                rates.append(decode_rate([r.token_times_s for r in results]))
-                e2e.append(batch * opts.new_tokens / (ended - began))
-                progress(
-                    f"decode batch {batch} {rep + 1}/{opts.decode_reps}: {rates[-1]:.1f} tok/s; "
-                    f"model step {batch / statistics.median(model_s):.1f}, dense step "
-                    f"{batch / statistics.median(dense_s):.1f} tok/s"
-                )
-        finally:
-            worker.close()
-        del model, dense  # before the next batch's are built
-        per_token = Stat.of([1.0 / r for r in rates])
-        worker_rate = statistics.median(rates)
-        out.append(
-            Decode(
-                batch=batch,
-                new_tokens_per_request=opts.new_tokens,
-                tokens_per_s_median=worker_rate,
-                tokens_per_s_p90=1.0 / per_token.p90_s,
-                end_to_end_tokens_per_s_median=statistics.median(e2e),
-                samples_tokens_per_s=tuple(rates),
-                hit_tokens_per_request=min(r.stats.hit_tokens.total for r in results),
-                same_tokens_as_batch_1=same,
-            )
-        )
-        steps.append(step_rates(batch, len(ids), worker_rate, model_s, gathered_s, dense_s))
-    return tuple(out), tuple(steps)
-
-
-def step_rates(
-    batch: int,
-    context: int,
-    worker_rate: float,
-    model_s: Sequence[float],
-    gathered_s: Sequence[float],
-    dense_s: Sequence[float],
-) -> StepRates:
-    """The rates and ratios of one batch from the step times (seconds per call)."""
-    model, gathered, dense = (statistics.median(x) for x in (model_s, gathered_s, dense_s))
-    model_rate, gathered_rate, dense_rate = batch / model, batch / gathered, batch / dense
-    return StepRates(
-        batch=batch,
-        context_tokens=context,
-        worker_tokens_per_s=worker_rate,
-        model_step_tokens_per_s=model_rate,
-        gathered_step_tokens_per_s=gathered_rate,
-        dense_step_tokens_per_s=dense_rate,
-        model_step_median_s=model,
-        gathered_step_median_s=gathered,
-        dense_step_median_s=dense,
-        worker_to_model_step_ratio=worker_rate / model_rate,
-        worker_to_dense_ratio=worker_rate / dense_rate,
-        model_step_to_dense_ratio=model_rate / dense_rate,
-        gathered_step_to_dense_ratio=gathered_rate / dense_rate,
     )
 
 
@@ -490,7 +321,21 @@ def run(
         progress(f"store daemon pid {daemon.pid} on {daemon.address}")
         with StoreClient(daemon.address, timeout_s=60) as client:
             no_cache, dram = measure_prefill(runtime, client, ids, opts)
-            decode, steps = measure_decode(runtime, client, ids, no_cache.first_token, opts)
+            decode, steps = measure_decode(
+                runtime,
+                client,
+                ids,
+                no_cache.first_token,
+                DecodeOptions(
+                    namespace=DRAM_NAMESPACE,
+                    batches=opts.batches,
+                    new_tokens=opts.new_tokens,
+                    decode_reps=opts.decode_reps,
+                    reference_steps=opts.reference_steps,
+                    chunk_tokens=opts.chunk_tokens,
+                    seed=opts.seed,
+                ),
+            )
             progress(f"staging {opts.reps} SSD copies of the prompt's pages …")
             stage_ssd(client, runtime, ids, opts)
     with DaemonProcess(data_dir, dram="2GiB", ssd="4GiB") as daemon:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.bench_engine import Stat, decode_rate, main
+from loadtests.bench_engine import main
+from loadtests.bench_engine_decode import Stat, decode_rate
 
 pytestmark = pytest.mark.e2e
 

@@ -1,0 +1,214 @@
+"""The decode half of `strata bench engine`: the decode worker's tokens/s at each batch, with
+the reference steps of `loadtests.engine_steps` timed between its repetitions, in the same
+process at the same batch and the prompt's context (so a noisy machine shifts them together).
+
+A repetition submits `batch` identical requests (the prompt, its first token, greedy,
+`new_tokens` more) to a DecodeWorker over the store, which pulls the prompt's pages for each.
+The worker's tokens/s counts the tokens sampled after its first step over the span to its last
+(`decode_rate`); the reference steps' tokens/s is the batch over their median step time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from client import StoreClient
+from engine.decode import DecodeWorker
+from engine.requests import DecodeRequest, DecodeResult
+from engine.runtime import ModelRuntime
+from engine.sampling import SamplingParams
+from loadtests.engine_steps import DenseStep, ModelSteps, time_call
+
+
+class BenchFailed(RuntimeError):
+    """A measurement gave a wrong answer (a different first token, a partial hit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """Samples of a latency in seconds: the median and the p90 (nearest rank)."""
+
+    median_s: float
+    p90_s: float
+    samples_s: tuple[float, ...]
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Stat:
+        ordered = sorted(samples)
+        p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
+        return cls(statistics.median(ordered), p90, tuple(samples))
+
+
+def progress(message: str) -> None:
+    print(f"  {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeOptions:
+    """What to measure: batch 1 and `batches`, `decode_reps` repetitions of `new_tokens` a
+    request, `reference_steps` calls of each reference step per repetition."""
+
+    namespace: str
+    batches: tuple[int, ...] = (8, 32)
+    new_tokens: int = 64
+    decode_reps: int = 3
+    reference_steps: int = 5
+    chunk_tokens: int = 256
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    """Decode throughput at one batch size: tokens after the first step over the span from the
+    first step to the last (so pulling pages is not counted; `end_to_end` counts it: all new
+    tokens over submit to last result). p90 is of the time per token, given as tokens/s (90% of
+    repetitions were at least this fast)."""
+
+    batch: int
+    new_tokens_per_request: int
+    tokens_per_s_median: float
+    tokens_per_s_p90: float
+    end_to_end_tokens_per_s_median: float
+    samples_tokens_per_s: tuple[float, ...]
+    hit_tokens_per_request: int
+    same_tokens_as_batch_1: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepRates:
+    """The worker's decode at one batch next to its reference steps at the prompt's context
+    (tokens/s: batch over the median step time), and the ratios of tokens/s between them."""
+
+    batch: int
+    context_tokens: int
+    worker_tokens_per_s: float
+    model_step_tokens_per_s: float
+    gathered_step_tokens_per_s: float
+    dense_step_tokens_per_s: float
+    model_step_median_s: float
+    gathered_step_median_s: float
+    dense_step_median_s: float
+    worker_to_model_step_ratio: float
+    worker_to_dense_ratio: float
+    model_step_to_dense_ratio: float
+    gathered_step_to_dense_ratio: float
+
+
+def decode_rate(times: Sequence[Sequence[float]]) -> float:
+    """Tokens/s of requests decoded together, from their token times: the tokens sampled after
+    the first step, over the span from the first step to the last."""
+    start = min(t[0] for t in times)
+    end = max(t[-1] for t in times)
+    tokens = sum(1 for ts in times for t in ts if t > start)
+    return tokens / (end - start) if end > start else 0.0
+
+
+def measure_decode(
+    runtime: ModelRuntime, client: StoreClient, ids: list[int], first: int, opts: DecodeOptions
+) -> tuple[tuple[Decode, ...], tuple[StepRates, ...]]:
+    """Decode throughput at batch 1 and each of `opts.batches`, pulling the prompt's pages (put
+    under `opts.namespace`) each time, with the reference steps at each batch timed between the
+    repetitions. Raises BenchFailed when a request gives fewer tokens than asked."""
+    out: list[Decode] = []
+    steps: list[StepRates] = []
+    reference: tuple[int, ...] = ()
+    params = SamplingParams(max_tokens=1 + opts.new_tokens, ignore_eos=True)
+    request = DecodeRequest(tuple(ids), (first,), params, opts.namespace)
+    for batch in sorted({1, *opts.batches}):
+        calls = (opts.decode_reps + 1) * opts.reference_steps
+        model = ModelSteps(runtime, batch, len(ids), calls, opts.seed)
+        dense = DenseStep(runtime, batch, len(ids), calls, opts.seed)
+        worker = DecodeWorker(
+            runtime,
+            client,
+            max_batch=batch,
+            chunk_tokens=opts.chunk_tokens,
+            kv_capacity_tokens=batch * runtime.max_context,
+        )
+        model_s: list[float] = []
+        gathered_s: list[float] = []
+        dense_s: list[float] = []
+        try:
+            worker.generate(ids, (first,), SamplingParams(max_tokens=3), namespace=opts.namespace)
+            rates, e2e, same = [], [], True
+            results: list[DecodeResult] = []
+            for rep in range(-1, opts.decode_reps):  # round -1 warms the references up
+                for _ in range(opts.reference_steps):
+                    m = time_call(runtime, model.model_step)
+                    g = time_call(runtime, model.gathered_step)
+                    d = time_call(runtime, dense)
+                    model.advance()
+                    if rep >= 0:
+                        model_s.append(m)
+                        gathered_s.append(g)
+                        dense_s.append(d)
+                if rep < 0:
+                    continue
+                began = time.monotonic()
+                streams = [worker.submit(request) for _ in range(batch)]
+                results = [s.result() for s in streams]
+                ended = max(r.token_times_s[-1] for r in results)
+                for r in results:
+                    if len(r.token_ids) != opts.new_tokens:
+                        raise BenchFailed(f"decode gave {len(r.token_ids)} tokens")
+                    reference = reference or r.token_ids
+                    same = same and r.token_ids == reference
+                rates.append(decode_rate([r.token_times_s for r in results]))
+                e2e.append(batch * opts.new_tokens / (ended - began))
+                progress(
+                    f"decode batch {batch} {rep + 1}/{opts.decode_reps}: {rates[-1]:.1f} tok/s; "
+                    f"model step {batch / statistics.median(model_s):.1f}, dense step "
+                    f"{batch / statistics.median(dense_s):.1f} tok/s"
+                )
+        finally:
+            worker.close()
+        del model, dense  # before the next batch's are built
+        per_token = Stat.of([1.0 / r for r in rates])
+        worker_rate = statistics.median(rates)
+        out.append(
+            Decode(
+                batch=batch,
+                new_tokens_per_request=opts.new_tokens,
+                tokens_per_s_median=worker_rate,
+                tokens_per_s_p90=1.0 / per_token.p90_s,
+                end_to_end_tokens_per_s_median=statistics.median(e2e),
+                samples_tokens_per_s=tuple(rates),
+                hit_tokens_per_request=min(r.stats.hit_tokens.total for r in results),
+                same_tokens_as_batch_1=same,
+            )
+        )
+        steps.append(step_rates(batch, len(ids), worker_rate, model_s, gathered_s, dense_s))
+    return tuple(out), tuple(steps)
+
+
+def step_rates(
+    batch: int,
+    context: int,
+    worker_rate: float,
+    model_s: Sequence[float],
+    gathered_s: Sequence[float],
+    dense_s: Sequence[float],
+) -> StepRates:
+    """The rates and ratios of one batch from the step times (seconds per call)."""
+    model, gathered, dense = (statistics.median(x) for x in (model_s, gathered_s, dense_s))
+    model_rate, gathered_rate, dense_rate = batch / model, batch / gathered, batch / dense
+    return StepRates(
+        batch=batch,
+        context_tokens=context,
+        worker_tokens_per_s=worker_rate,
+        model_step_tokens_per_s=model_rate,
+        gathered_step_tokens_per_s=gathered_rate,
+        dense_step_tokens_per_s=dense_rate,
+        model_step_median_s=model,
+        gathered_step_median_s=gathered,
+        dense_step_median_s=dense,
+        worker_to_model_step_ratio=worker_rate / model_rate,
+        worker_to_dense_ratio=worker_rate / dense_rate,
+        model_step_to_dense_ratio=model_rate / dense_rate,
+        gathered_step_to_dense_ratio=gathered_rate / dense_rate,
+    )
