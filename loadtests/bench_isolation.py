@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -137,8 +138,9 @@ def background_bytes(metrics_url: str) -> dict[str, float]:
 
 
 class LoadProcess:
-    """`python -m loadtests.bench_isolation load ...` as a child: prints `ready`, then a JSON
-    line with the bytes it moved when SIGTERM stops it."""
+    """`python -m loadtests.bench_isolation load ...` as a child. It prints `ready` after its
+    first call; SIGUSR1 pauses it and SIGUSR2 resumes it (it answers `paused BYTES` once the
+    call in flight is done, and `running`), SIGTERM ends it with a JSON line of totals."""
 
     def __init__(self, address: str, path: str, io_class: str, page_kib: int, batch: int,
                  seed: int, reads: bool) -> None:
@@ -149,16 +151,42 @@ class LoadProcess:
             [*args, *(["--reads"] if reads else [])], stdout=subprocess.PIPE, text=True
         )
         self.ready = threading.Event()
+        self._state = threading.Condition()
+        self._paused: int | None = None  # bytes moved when it last said "paused"
         self.result: dict[str, float] = {}
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if line.strip() == "ready":
+            word = line.split()
+            if word == ["ready"]:
                 self.ready.set()
+            elif word[:1] == ["paused"]:
+                with self._state:
+                    self._paused = int(word[1])
+                    self._state.notify_all()
+            elif word == ["running"]:
+                with self._state:
+                    self._paused = None
+                    self._state.notify_all()
             elif line.startswith("{"):
                 self.result = json.loads(line)
+
+    def pause(self, timeout_s: float = 60.0) -> int:
+        """Pause it and wait until it is idle; the bytes it has moved so far."""
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        with self._state:
+            if not self._state.wait_for(lambda: self._paused is not None, timeout_s):
+                raise RuntimeError("a load process did not pause")
+            assert self._paused is not None
+            return self._paused
+
+    def resume(self, timeout_s: float = 60.0) -> None:
+        os.kill(self.proc.pid, signal.SIGUSR2)
+        with self._state:
+            if not self._state.wait_for(lambda: self._paused is None, timeout_s):
+                raise RuntimeError("a load process did not resume")
 
     def stop(self) -> dict[str, float]:
         if self.proc.poll() is None:
@@ -177,11 +205,24 @@ class LoadProcess:
 def run_load(ns: argparse.Namespace) -> int:
     """The body of a load process: put fresh batches (and read each back with --reads)."""
     stop = threading.Event()
+    running = threading.Event()
+    running.set()
+    wake = threading.Event()
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         stop.set()
+        wake.set()
+
+    def on_pause(signum: int, frame: FrameType | None) -> None:
+        running.clear()
+
+    def on_resume(signum: int, frame: FrameType | None) -> None:
+        running.set()
+        wake.set()
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGUSR1, on_pause)
+    signal.signal(signal.SIGUSR2, on_resume)
     scope = scope_for(ns.page_kib << 10, f"load-{ns.seed}")
     size = scope.page_payload_bytes
     payloads = [bytes([ns.seed % 251 + 1]) * size] * ns.batch
@@ -192,6 +233,13 @@ def run_load(ns: argparse.Namespace) -> int:
     with _client(ns.address, ns.path, io) as client:
         i = 0
         while not stop.is_set():
+            if not running.is_set():
+                print(f"paused {moved}", flush=True)
+                while not running.is_set() and not stop.is_set():
+                    wake.wait(0.5)
+                    wake.clear()
+                print("running", flush=True)
+                continue
             tokens = [(ns.seed << 40) + i * 1_000_003 + t for t in range(ns.batch * 16)]
             pages = build_pages(scope, [t % 4_000_000_000 for t in tokens], payloads)
             try:
@@ -211,6 +259,42 @@ def run_load(ns: argparse.Namespace) -> int:
     elapsed = time.monotonic() - start
     print(json.dumps({"bytes": moved, "seconds": elapsed, "refused": refused}), flush=True)
     return 0
+
+
+class Rounds:
+    """Idle and loaded rounds, interleaved: `loads` paused for the idle ones. Collects each
+    round's timings per name, the loads' bytes during loaded rounds and their total time."""
+
+    def __init__(self, loads: Sequence[LoadProcess]) -> None:
+        self.loads = list(loads)
+        self.idle: dict[str, list[float]] = {}
+        self.loaded: dict[str, list[float]] = {}
+        self.load_bytes = [0] * len(self.loads)
+        self.loaded_s = 0.0
+
+    def run(self, rounds: int, measure: Callable[[], dict[str, list[float]]],
+            on_loaded: Callable[[float], None] | None = None) -> None:
+        for lp in self.loads:
+            if not lp.ready.wait(120):
+                raise RuntimeError("a load process did not start")
+        for _ in range(rounds):
+            for lp in self.loads:
+                lp.pause()
+            for name, secs in measure().items():
+                self.idle.setdefault(name, []).extend(secs)
+            before = [lp.pause() for lp in self.loads]
+            for lp in self.loads:
+                lp.resume()
+            t0 = time.monotonic()
+            for name, secs in measure().items():
+                self.loaded.setdefault(name, []).extend(secs)
+            elapsed = time.monotonic() - t0
+            self.loaded_s += elapsed
+            if on_loaded is not None:
+                on_loaded(elapsed)
+            after = [lp.pause() for lp in self.loads]  # the round's bytes, then idle again
+            for i, (a, b) in enumerate(zip(after, before, strict=True)):
+                self.load_bytes[i] += a - b
 
 
 # ---- (a) critical gets under a background flood ---------------------------------------------
@@ -234,6 +318,7 @@ def bench_critical(ns: argparse.Namespace, folder: Path, report: Report) -> None
             except StrataError as exc:
                 c.close()
                 report.notes.append(f"no {path} path here ({exc}); its rows are left out")
+        flood: list[LoadProcess] = []
         try:
             next(iter(clients.values())).put(scope, hot)
             into = [bytearray(size) for _ in keys]
@@ -244,44 +329,55 @@ def bench_critical(ns: argparse.Namespace, folder: Path, report: Report) -> None
                         raise RuntimeError("a critical get missed its DRAM pages")
                 return get
 
-            idle = {p: time_for(getter(c), ns.seconds, ns.max_calls) for p, c in clients.items()}
+            def measure() -> dict[str, list[float]]:
+                per = ns.seconds / ns.rounds
+                return {p: time_for(getter(c), per, ns.max_calls) for p, c in clients.items()}
+
             flood = [
                 LoadProcess(daemon.address, p, "background", ns.flood_page_kib, ns.flood_batch,
                             seed=10 + i, reads=True)
                 for i, p in enumerate(clients)
             ]
-            try:
-                for f in flood:
-                    if not f.ready.wait(60):
-                        raise RuntimeError("a flood process did not start")
-                before, t0 = background_bytes(daemon.metrics_url), time.monotonic()
-                loaded = {p: time_for(getter(c), ns.seconds, ns.max_calls)
-                          for p, c in clients.items()}
-                after, t1 = background_bytes(daemon.metrics_url), time.monotonic()
-            finally:
-                moved = {p: f.stop() for p, f in zip(clients, flood, strict=True)}
-            for p in clients:
-                report.critical.append(latency(f"critical get {ns.get_pages} x 64KiB, {p}",
-                                               idle[p], loaded[p]))
-            window = t1 - t0
-            per_path = {k: round((after.get(k, 0) - before.get(k, 0)) / window)
-                        for k in sorted(set(after) | set(before))}
-            total = sum(per_path.values())
-            by_clients = {p: float(round(m.get("bytes", 0) / max(m.get("seconds", 1), 1e-9)))
-                          for p, m in moved.items()}
-            allowed = ns.cap * (window + 1.0) / window
-            report.cap = CapCheck(
-                cap_bytes_per_s=ns.cap, seconds=round(window, 2),
-                daemon_bytes_per_s={k: float(v) for k, v in per_path.items()},
-                client_bytes_per_s=by_clients,
-                total_bytes_per_s=float(total),
-                client_total_bytes_per_s=sum(by_clients.values()),
-                allowed_bytes_per_s=round(allowed),
-                held=max(total, sum(by_clients.values())) <= allowed * 1.05,
-            )
+            rounds = Rounds(flood)
+            daemon_bytes: dict[str, float] = {}
+
+            def count(_: float) -> None:
+                for k, v in background_bytes(daemon.metrics_url).items():
+                    daemon_bytes[k] = daemon_bytes.get(k, 0.0) + v - start_bytes.get(k, 0.0)
+
+            start_bytes: dict[str, float] = {}
+
+            def measure_counted() -> dict[str, list[float]]:
+                start_bytes.clear()
+                start_bytes.update(background_bytes(daemon.metrics_url))
+                return measure()
+
+            rounds.run(ns.rounds, measure_counted, on_loaded=count)
         finally:
+            for f in flood:
+                f.stop()
             for c in clients.values():
                 c.close()
+        for p in clients:
+            report.critical.append(latency(f"critical get {ns.get_pages} x 64KiB, {p}",
+                                           rounds.idle[p], rounds.loaded[p]))
+        window = rounds.loaded_s
+        # the idle rounds' counts (nothing but the critical gets) leak into the next loaded
+        # round's start value at most by what the bucket let through while paused: none
+        per_path = {k: round(v / window) for k, v in sorted(daemon_bytes.items())}
+        total = float(sum(per_path.values()))
+        by_clients = {p: float(round(b / window))
+                      for p, b in zip(clients, rounds.load_bytes, strict=True)}
+        # the token bucket refills (one second of the cap) during every idle round
+        allowed = ns.cap * (window + ns.rounds) / window
+        report.cap = CapCheck(
+            cap_bytes_per_s=ns.cap, seconds=round(window, 2),
+            daemon_bytes_per_s={k: float(v) for k, v in per_path.items()},
+            client_bytes_per_s=by_clients, total_bytes_per_s=total,
+            client_total_bytes_per_s=sum(by_clients.values()),
+            allowed_bytes_per_s=round(allowed),
+            held=max(total, sum(by_clients.values())) <= allowed * 1.05,
+        )
 
 
 # ---- (b) DRAM gets and lookups with a slow disk ---------------------------------------------
@@ -305,22 +401,24 @@ def _dram_ops(daemon: DaemonProcess, ns: argparse.Namespace, label: str) -> tupl
             c.lookup(scope, keys)
 
         def both() -> dict[str, list[float]]:
-            half = ns.seconds / 2
+            half = ns.seconds / ns.rounds / 2
             return {"get": time_for(get, half, ns.max_calls),
                     "lookup": time_for(lookup, half, ns.max_calls)}
 
-        idle = both()
         load = LoadProcess(daemon.address, "shm", "normal", ns.flood_page_kib, ns.flood_batch,
                            seed=99, reads=False)
         try:
-            if not load.ready.wait(60):
-                raise RuntimeError(f"the {label} put load did not start")
-            loaded = both()
+            rounds = Rounds([load])
+            rounds.run(ns.rounds, both)
         finally:
             moved = load.stop()
         hits = c.get(scope, keys[:4], into).hit_count
         stats = c.stats()
-    return idle, loaded, {**moved, "demotions": stats.demotions, "hot_hits_after": hits}
+    rate = rounds.load_bytes[0] / rounds.loaded_s if rounds.loaded_s else 0.0
+    return rounds.idle, rounds.loaded, {
+        "bytes_per_s": rate, "refused": moved.get("refused", 0), "demotions": stats.demotions,
+        "hot_hits_after": hits,
+    }
 
 
 def bench_slow_disk(ns: argparse.Namespace, folder: Path, report: Report) -> None:
@@ -344,7 +442,7 @@ def bench_slow_disk(ns: argparse.Namespace, folder: Path, report: Report) -> Non
             name = "DRAM get 4 x 64KiB" if op == "get" else "lookup 32 keys"
             report.slow_disk.append(latency(f"{name}, {label}", idle[op], loaded[op]))
         report.notes.append(
-            f"{label}: put load moved {load.get('bytes', 0) / max(load.get('seconds', 1), 1e-9) / 1e6:.0f} MB/s, "
+            f"{label}: put load moved {load['bytes_per_s'] / 1e6:.0f} MB/s while on, "
             f"{int(load.get('refused', 0))} puts refused, {int(load['demotions'])} demotions, "
             f"hot pages still hit after: {int(load['hot_hits_after'])}/4"
         )
@@ -389,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_load(lp.parse_args(args[1:]))
     p = argparse.ArgumentParser(prog="strata bench isolation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=5.0, help="timing per path and round")
+    p.add_argument("--seconds", type=float, default=6.0,
+                   help="timing per path, idle and loaded each, over all rounds")
+    p.add_argument("--rounds", type=int, default=3, help="idle/loaded rounds, interleaved")
     p.add_argument("--max-calls", type=int, default=5000)
     p.add_argument("--cap", type=size_arg, default=64 << 20,
                    help="background cap in bytes/s, e.g. 64MiB (the default)")
