@@ -29,7 +29,7 @@ from pathlib import Path
 from kvstore.errors import Corrupt, InvalidArgument, Unavailable
 from kvstore.tiers.faults import NO_FAULTS, SsdFaults
 
-__all__ = ["LOCATION", "SegmentFiles"]
+__all__ = ["LOCATION", "SegmentFiles", "sync_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +43,34 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def sync_dir(folder: Path) -> None:
+    """fsync a directory, making the entries created in it durable. Raises OSError."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class SegmentFiles:
     """The segment files of one SSD tier folder."""
 
-    def __init__(self, folder: Path, segment_bytes: int) -> None:
+    def __init__(self, folder: Path, segment_bytes: int, *, sync_dirs: bool = False) -> None:
+        """`sync_dirs`: make each new segment file's directory entry durable (fsync of the
+        folder after it is created, and of the folder's parent when the folder is new), as
+        `sync_writes` promises: a payload synced in a file whose name is lost is lost too."""
         if segment_bytes < ALIGN:
             raise InvalidArgument(f"segment size must be at least {ALIGN} bytes")
         self._folder = folder
         self._segment_bytes = segment_bytes
+        self._sync_dirs = sync_dirs
         try:
+            new = not folder.exists()
             folder.mkdir(parents=True, exist_ok=True)
+            if sync_dirs:
+                if new:
+                    sync_dir(folder.parent)
+                sync_dir(folder)
         except OSError as exc:
             raise Unavailable(f"cannot create {folder}: {exc}") from exc
         self._live: dict[int, int] = {}  # segment id -> live (aligned) payload bytes
@@ -207,6 +225,11 @@ class SegmentFiles:
         self._current, self._write_fd = seg, fd
         self._size[seg] = 0
         self._live[seg] = 0
+        if self._sync_dirs:
+            try:
+                sync_dir(self._folder)  # the new file's name survives a power loss
+            except OSError as exc:
+                raise Unavailable(f"ssd tier: syncing {self._folder}: {exc}") from exc
 
     def _remove(self, seg: int) -> None:
         self._live.pop(seg, None)

@@ -37,7 +37,7 @@ from kvstore.tiers.rocks import (
     rocks_error,
     salvage_headers,
 )
-from kvstore.tiers.segments import LOCATION, SegmentFiles
+from kvstore.tiers.segments import LOCATION, SegmentFiles, sync_dir
 
 __all__ = ["ScanResult", "SsdTier"]
 
@@ -102,12 +102,15 @@ class SsdTier:
         self._used = 0
         self._sync = sync_writes
         try:
+            new = not self._path.exists()
             self._path.mkdir(parents=True, exist_ok=True)
+            if sync_writes and new:
+                sync_dir(self._path.parent)  # the tier's folder itself survives a power loss
         except OSError as exc:
             raise Unavailable(f"cannot create ssd tier folder {self._path}: {exc}") from exc
         self._handles: RocksHandles | None = open_rocks(self._path)
         segment_bytes = max(min(SEGMENT_BYTES, capacity_bytes // 4), 1 << 20)
-        self._files = SegmentFiles(self._path / "segments", segment_bytes)
+        self._files = SegmentFiles(self._path / "segments", segment_bytes, sync_dirs=sync_writes)
         self._files.faults = faults
         if faults.active:
             log.warning("ssd tier: injecting faults: %s", faults)

@@ -168,3 +168,17 @@ def test_the_mover_checks_same_host_puts_off_the_writers_path(
     assert read_back(shm, scope, [bad]) == [None]
     assert_intact(shm, scope, good)
     d.check()
+
+
+def test_a_daemon_with_sync_writes_keeps_its_ssd_pages_across_a_restart(
+    daemon_factory: DaemonFactory, scope: Scope, tmp_path: Path
+) -> None:
+    settings = {**NO_WATERMARKS, "ssd.sync_writes": "true"}
+    d = daemon_factory(dram="1MiB", settings=settings, data_dir=tmp_path / "synced")
+    client = d.client(shared_memory=True)
+    pages = on_ssd_only(d, client, scope, 6)
+    d.stop()
+    again = daemon_factory(dram="1MiB", settings=settings, data_dir=tmp_path / "synced")
+    assert again.store.rebuilt_pages >= 6
+    assert_intact(again.client(shared_memory=False), scope, pages)
+    again.check()

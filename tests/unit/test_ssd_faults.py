@@ -103,3 +103,75 @@ def test_a_segment_file_replaced_by_a_directory_fails_reads_as_unavailable(
             shutil.rmtree(seg)
     finally:
         tier.close()
+
+
+def test_sync_writes_syncs_payloads_and_the_names_of_new_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sync_writes=True: every write's payload is fdatasync'ed before its record, and each new
+    segment file's directory entry (and the new folders') are fsync'ed, so a power loss cannot
+    leave a record naming a file that is not there."""
+    calls: list[tuple[str, str]] = []
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+
+    def named(fd: int) -> str:
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", named(fd)))
+        real_fsync(fd)
+
+    def fdatasync(fd: int) -> None:
+        calls.append(("fdatasync", named(fd)))
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    root = tmp_path / "ssd"
+    # 4 MiB budget: 1 MiB segment files, so 100 pages of 16 KiB roll over to new files
+    tier = SsdTier(root, 4 << 20, sync_writes=True)
+    try:
+        pages = make_chain(100)
+        for header, payload in pages[:3]:
+            tier.write(header, payload)
+        segs = str(root / "segments")
+        assert ("fsync", str(tmp_path)) in calls  # the new tier folder's own entry
+        assert ("fsync", str(root)) in calls  # the new segments folder's entry
+        assert ("fsync", segs) in calls  # the first segment file's entry
+        first = str(root / "segments" / "00000001.seg")
+        assert calls.count(("fdatasync", first)) == 3  # one per write, before its record
+        calls.clear()
+        for header, payload in pages[3:]:
+            tier.write(header, payload)
+        made = sorted(p.name for p in (root / "segments").glob("*.seg"))
+        assert len(made) >= 2
+        # every file created after the first got its directory entry synced
+        assert calls.count(("fsync", segs)) >= len(made) - 1
+        for name in made:
+            assert ("fdatasync", f"{segs}/{name}") in calls
+    finally:
+        tier.close()
+    # and the pages are all there after a reopen (a real run with sync_writes)
+    again = SsdTier(root, 4 << 20, sync_writes=True)
+    try:
+        assert len(again.scan().headers) == 100
+        for header, payload in pages:
+            got = again.read(header.key)
+            assert got is not None and got[1] == payload
+    finally:
+        again.close()
+
+
+def test_without_sync_writes_nothing_is_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: calls.append(fd))
+    tier = SsdTier(tmp_path / "ssd", 4 << 20)
+    try:
+        for header, payload in make_chain(3):
+            tier.write(header, payload)
+        assert calls == []
+    finally:
+        tier.close()
