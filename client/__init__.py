@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from client.async_client import AsyncStoreClient
 from client.cluster_client import ClusterClient, ClusterStats, NodeStats
-from client.etcd import EtcdClient, EtcdUnavailable
 from client.errors import (
     CapacityExhausted,
     Corrupt,
@@ -17,8 +16,10 @@ from client.errors import (
     StrataError,
     Unavailable,
 )
+from client.etcd import EtcdClient, EtcdUnavailable
 from client.hostid import host_id
 from client.page import PageHeader, decode_page, encode_page, make_header
+from client.placement import rank
 from client.scope import KEY_BYTES, KVLayout, Scope, Shard, chain_key, page_keys
 from client.store_client import StoreClient
 from client.types import (
@@ -84,4 +85,5 @@ __all__ = [
     "host_id",
     "make_header",
     "page_keys",
+    "rank",
 ]

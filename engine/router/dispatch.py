@@ -35,7 +35,14 @@ import grpc.aio
 
 from engine.router.core.errors import ErrorKind
 from engine.router.core.router import RouterCore, explain
-from engine.router.core.types import Placement, Refusal, RefusalReason, RequestView, Role
+from engine.router.core.types import (
+    Placement,
+    PrefixHit,
+    Refusal,
+    RefusalReason,
+    RequestView,
+    Role,
+)
 from engine.router.http_errors import HttpError
 from engine.router.lookup import StoreLookup
 from engine.router.metrics import FinishedRequest, RouterMetrics
@@ -302,7 +309,7 @@ class Dispatcher:
             )
             decision = self.core.decide(view, workers, now, self.rng)
             decided = self.clock()
-            self._explain(job, decision)
+            self._explain(job, hit, decision)
             if self.metrics is not None:
                 self.metrics.observe_decision(decision, job.slo_class, decide_s=decided - now)
             if isinstance(decision, Refusal):
@@ -393,13 +400,18 @@ class Dispatcher:
             retry_after_s=refusal.retry_after_s,
         )
 
-    def _explain(self, job: Job, decision: Placement | Refusal) -> None:
+    def _explain(self, job: Job, hit: PrefixHit, decision: Placement | Refusal) -> None:
         """Keep the decision's explanation (each candidate's predicted cost and why it lost)
         for GET /debug/decisions, and log it at DEBUG."""
         record: dict[str, object] = {
             "request_id": job.request_id,
             "slo_class": job.slo_class,
             "prompt_tokens": len(job.prompt_ids),
+            "prefix": {
+                "hit_pages": hit.hit_pages,
+                "tiers": list(hit.tiers),
+                "node_hosts": list(hit.node_hosts),
+            },
             **explain(decision),
         }
         self.decisions.append(record)

@@ -1,8 +1,8 @@
 """The store as the index of what is cached: a request's page keys → the core's `PrefixHit`.
 
 The router computes the page keys of a prompt under the workers' scope (`client.page_keys`) and
-asks the same store the workers use (one daemon, or the cluster) which leading pages exist and
-in which tier. A store that is down or slow is a miss, never an error (DESIGN §1): placement
+asks the same store the workers use (one daemon, or the cluster) which leading pages exist, in
+which tier, and on which host (a cluster page's first replica by rendezvous hashing). A store that is down or slow is a miss, never an error (DESIGN §1): placement
 then prices every worker as computing the whole prompt. Calls are blocking; the router runs them
 on a thread (`asyncio.to_thread`).
 """
@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from client import ClusterClient, Scope, StoreClient, StrataError, Tier, page_keys
+from client import ClusterClient, Scope, StoreClient, StrataError, Tier, page_keys, rank
 from engine.router.core.types import PrefixHit
 from engine.store_spec import StoreSpec
 
@@ -59,8 +59,27 @@ class StoreLookup:
             return PrefixHit.none()
         count = found.hit_count
         tiers = tuple(Tier(t).name.lower() for t in found.tiers[:count])
-        return PrefixHit(count, tiers, (self._node_host,) * count)
+        if isinstance(client, ClusterClient):
+            hosts = _cluster_hosts(client, keys[:count])
+        else:
+            hosts = (self._node_host,) * count
+        return PrefixHit(count, tiers, hosts)
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
+
+
+def _cluster_hosts(client: ClusterClient, keys: Sequence[bytes]) -> tuple[str, ...]:
+    """The host id of each page's first replica: the live member that ranks first for its key
+    (rendezvous hashing, as the cluster places it). "" where the member's host is not known (a
+    fixed address list names no hosts)."""
+    live = client.live_nodes()
+    members = client.members
+    if not live:
+        return ("",) * len(keys)
+    out = []
+    for key in keys:
+        member = members.get(rank(key, live)[0])
+        out.append(member.host_id if member is not None else "")
+    return tuple(out)

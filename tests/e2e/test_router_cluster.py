@@ -14,6 +14,7 @@ import pytest
 from conftest import DaemonFactory
 from router_processes import Child, router, wait_for, worker, write_profile
 
+from client import host_id
 from loadtests.etcd import EtcdProcess
 
 pytestmark = pytest.mark.e2e
@@ -82,6 +83,12 @@ def test_workers_and_router_over_an_etcd_cluster(
         decisions = http.get("/debug/decisions").json()["decisions"]
         mine = [d for d in decisions if d["request_id"] == again.headers["x-request-id"]]
         assert mine and mine[0]["hit_tokens_used"] == 32
+        # on this host: the first replica of each page is a daemon here
+        assert mine[0]["prefix"] == {
+            "hit_pages": 2,
+            "tiers": ["dram", "dram"],
+            "node_hosts": [host_id(), host_id()],
+        }
         workers = http.get("/debug/workers").json()["workers"]
         assert {w["source"] for w in workers} == {"etcd"} and len(workers) == 2
         # a worker that stops revokes its lease: the router forgets it
