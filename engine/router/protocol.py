@@ -76,9 +76,21 @@ class CompletionRequest(_Sampling):
     )
 
 
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str = Field(max_length=1 << 24)
+
+
 class ChatMessage(_Request):
+    """A message; `content` is text, or a list of text parts (joined), as clients send it."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str = Field(max_length=1 << 24)
+    content: Annotated[str, Field(max_length=1 << 24)] | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):

@@ -213,10 +213,11 @@ class Registry:
             if h.errors >= 3:
                 h.description = None  # describe again when it answers (it may have restarted)
             return
-        except ValueError as exc:  # a description the router cannot use
+        except ValueError as exc:  # a description the router cannot use: left out
             h.errors += 1
+            if h.last_error != str(exc):
+                log.warning("worker %s left out: %s", h.address, exc)
             h.last_error = str(exc)
-            log.warning("worker %s: %s", h.address, exc)
             return
         if h.errors and h.report is not None:
             log.info("worker %s answers again", h.address)

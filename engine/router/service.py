@@ -142,7 +142,8 @@ class RouterService:
         model = self.model(req.model)
         slo = self.slo_class(slo_header, req.slo_class)
         if isinstance(req, ChatCompletionRequest):
-            ids = model.text.chat_ids(model.model_id, [m.model_dump() for m in req.messages])
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = model.text.chat_ids(model.model_id, messages)
             max_tokens = req.max_completion_tokens or req.max_tokens
         elif isinstance(req.prompt, str):
             ids = model.text.encode(req.prompt)

@@ -107,6 +107,15 @@ def test_request_models_refuse_what_cannot_be_served() -> None:
     ):
         with pytest.raises(ValidationError):
             CompletionRequest.model_validate({**ok, **bad})
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": parts}]}
+    )
+    assert chat.messages[0].text() == "ab"
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+        )
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": []})
     with pytest.raises(ValidationError):
