@@ -15,6 +15,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_bench_isolation_tiny_run_writes_both_measurements(tmp_path: Path) -> None:
     out = tmp_path / "isolation.json"
     done = subprocess.run(

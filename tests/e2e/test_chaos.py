@@ -55,11 +55,12 @@ def test_availability_counts_calls_and_the_longest_stretch_without_a_success() -
     assert failed([ok, FaultResult("w", error="daemon did not restart")])
 
 
+@pytest.mark.slow
 def test_chaos_short_run_serves_nothing_wrong_and_leaks_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     faults = ("kill-9", "flip-bytes", "stall-client", "slow-disk")
     done = subprocess.run(
-        [sys.executable, "-m", "strata_cli.main", "chaos", "--duration", "14",
+        [sys.executable, "-m", "strata_cli.main", "chaos", "--duration", "12",
          "--faults", ",".join(faults), "--clients", "2", "--rate", "30",
          "--dir", str(tmp_path / "state"), "--json", str(out)],
         capture_output=True, text=True, timeout=300, check=False, cwd=REPO,
