@@ -30,6 +30,8 @@ import torch
 
 from engine.kv_pool import PagedKVPool
 
+_SYNC_PAGES = 8  # pages a row copies from the pool at a time
+
 
 class KVRow:
     """One sequence's row: its `index` (which changes when rows are compacted), the `length`
@@ -178,24 +180,30 @@ class KVRows:
 
     def _sync(self, row: KVRow, table: Sequence[int], end: int) -> None:
         """Copy the pool's tokens `[row.length, end)` of the sequence along `table` into `row`
-        (whole pages: the tokens below `row.length` are equal in both already)."""
+        (whole pages: the tokens below `row.length` are equal in both already), a few pages a
+        copy (a small gather buffer the allocator reuses, instead of one the size of the
+        sequence)."""
         page = self.pool.page_tokens
         first, last = row.length // page, -(-end // page)
         if last > len(table):
             raise ValueError(f"block table of {len(table)} pages cannot hold {end} tokens")
-        pages = torch.tensor(list(table[first:last]), dtype=torch.int64, device=self.pool.device)
-        src = self.pool.tensor[pages]  # [n, layers, 2, page_tokens, kv_heads, head_dim]
-        n = last - first
-        stop = min(last * page, self.capacity_tokens)
         lay = self.pool.layout
-        dst = self.tensor[row.index, :, :, :, first * page : stop]
-        whole = (stop - first * page) // page
-        dst[:, :, :, : whole * page].view(
-            lay.num_layers, 2, lay.num_kv_heads, whole, page, lay.head_dim
-        ).copy_(src[:whole].permute(1, 2, 4, 0, 3, 5))
-        if whole < n:  # the row's capacity ends inside the last page
-            tail = stop - (first + whole) * page
-            dst[:, :, :, whole * page :] = src[whole, :, :, :tail].permute(0, 1, 3, 2, 4)
+        cap = self.capacity_tokens
+        for lo in range(first, last, _SYNC_PAGES):
+            hi = min(last, lo + _SYNC_PAGES)
+            ids = torch.tensor(list(table[lo:hi]), dtype=torch.int64, device=self.pool.device)
+            src = self.pool.tensor[ids]  # [n, layers, 2, page_tokens, kv_heads, head_dim]
+            stop = min(hi * page, cap)
+            whole = (stop - lo * page) // page
+            dst = self.tensor[row.index, :, :, :, lo * page : stop]
+            if whole:
+                shape = (lay.num_layers, 2, lay.num_kv_heads, whole, page, lay.head_dim)
+                dst[:, :, :, : whole * page].view(shape).copy_(
+                    src[:whole].permute(1, 2, 4, 0, 3, 5)
+                )
+            if whole < hi - lo:  # the row's capacity ends inside this page
+                tail = stop - (lo + whole) * page
+                dst[:, :, :, whole * page :] = src[whole, :, :, :tail].permute(0, 1, 3, 2, 4)
 
     def _grow(self, tokens: int) -> None:
         old = self.tensor

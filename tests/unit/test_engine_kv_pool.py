@@ -220,3 +220,23 @@ def test_rows_refuse_misuse() -> None:
         rows.prepare([b], [[2, 3]], [1])
     with pytest.raises(ValueError, match="1 rows, 2 block tables"):
         rows.prepare([a], [[0, 1], [2, 3]], [6, 1])
+
+
+def test_rows_copy_long_sequences_in_pieces_and_stop_at_their_capacity() -> None:
+    pool = _filled(pages=30)
+    rows = KVRows(pool, max_rows=2, max_tokens=90)
+    long_table = list(range(29, 6, -1))  # 23 pages: three pieces of copying
+    row = rows.attach(90)
+    rows.prepare([row], [long_table], [37])  # the first 37 tokens (whole pages: 40)
+    torch.testing.assert_close(_row_tokens(rows, row, 40), _pool_tokens(pool, long_table, 40))
+    rows.prepare([row], [long_table], [38])  # caught up already: nothing copied
+    pool.tensor[long_table[:9]] = 0.0  # pages the next catch-up must not need
+    rows.prepare([row], [long_table], [89])  # copies from page 9 (token 36) on
+    got, want = _row_tokens(rows, row, 89), _pool_tokens(pool, long_table, 89)
+    torch.testing.assert_close(got[36:], want[36:])
+    assert bool((got[:36] != 0).all())  # the first 36 tokens were not copied again
+    short = KVRows(pool, max_rows=1, max_tokens=10)  # a capacity that ends inside a page
+    tail = short.attach(10)
+    assert short.capacity_tokens == 10
+    short.prepare([tail], [[3, 4, 5]], [9])
+    torch.testing.assert_close(_row_tokens(short, tail, 9), _pool_tokens(pool, [3, 4, 5], 9))
