@@ -224,6 +224,13 @@ class Netns:
             raise ClusterError(f"nft: {(out.stderr or out.stdout).strip()}")
         return "nftables"
 
+    def clear_impairment(self) -> None:
+        """Undo `impair_loss` (either mechanism); a no-op when nothing was added."""
+        run(["tc", "qdisc", "del", "dev", self.here_if, "root"], check=False)
+        self.exec(["tc", "qdisc", "del", "dev", self.there_if, "root"], check=False)
+        if shutil.which("nft") is not None:
+            self.exec(["nft", "delete", "table", "inet", "strata_drill"], check=False)
+
     def dropped_packets(self) -> int:
         """Packets the nftables rules dropped so far (0 with netem, which keeps no count here)."""
         out = self.exec(["nft", "list", "table", "inet", "strata_drill"], check=False)
