@@ -18,6 +18,8 @@ commands:
   bench engine       engine TTFT with no cache vs a full DRAM / SSD hit; decode tokens/s
   bench keys         page-key hashing cost: BLAKE2b-128 (key schema 2) vs xxh3, per page
   bench isolation    critical gets under a background flood, DRAM gets with a slow disk, vs idle
+  bench router       router added latency vs direct, decisions/s, TTFT by policy, prediction error
+  drill              router operator drills: prefill pool down, half the decode pool down, 1% loss
   chaos              store load while faults are injected; checks no page is served wrong
   model init PATH    write a random-weight checkpoint (--preset tiny|small)
   prefill            run a prefill worker (--model PATH --store ADDR [--port N])
@@ -43,7 +45,7 @@ def _serve(argv: Sequence[str]) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: strata bench store|cluster|engine|isolation [--help]")
+        print("usage: strata bench store|cluster|engine|keys|isolation|router [--help]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "store":
@@ -66,8 +68,12 @@ def _bench(argv: Sequence[str]) -> int:
         from loadtests.bench_isolation import main as isolation_main
 
         return isolation_main(rest)
+    if what == "router":
+        from loadtests.bench_router import main as router_main
+
+        return router_main(rest)
     print(
-        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, isolation)", file=sys.stderr
+        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, keys, isolation, router)", file=sys.stderr
     )
     return 2
 
@@ -128,6 +134,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "report": _loadtests("loadtests.report.compare"),
     "bench": _bench,
     "chaos": _chaos,
+    "drill": _loadtests("loadtests.router_drills"),
     "model": _model,
     "prefill": _worker("prefill"),
     "decode": _worker("decode"),
