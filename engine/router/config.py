@@ -12,6 +12,8 @@
     poll_s = 0.15             # load report period
     drop_after_s = 1.0        # a worker silent this long is left out of decisions
     max_attempts = 3          # workers tried for one prefill, and for one decode
+    min_stall_s = 10.0        # a worker silent this long in a call (and 20x its prediction)
+                              # is given up on: the prefill or decode goes to another
     debug_decisions = 256     # decisions kept for GET /debug/decisions
 
     [admission]               # SLO classes: see engine.router.core.slo
@@ -51,6 +53,7 @@ class RouterConfig:
     drop_after_s: float = 1.0
     rpc_timeout_s: float = 1.0
     max_attempts: int = 3
+    min_stall_s: float = 10.0
     debug_decisions: int = 256
     seed: int = 0
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -64,6 +67,8 @@ class RouterConfig:
             raise ValueError("need poll_s > 0 and drop_after_s > poll_s")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if not self.min_stall_s > 0:
+            raise ValueError("min_stall_s must be > 0")
         parse_store(self.store)  # raises ValueError for a malformed store
         for address in self.workers:
             host, sep, port = address.rpartition(":")

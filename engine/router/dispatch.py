@@ -173,8 +173,19 @@ class Run:
         )
         call = handle.decode_stub().Decode(request, timeout=d.decode_timeout_s)
         self._call = call
+        events = call.__aiter__()
+        # the first event waits for the worker to pull and recompute; later ones for one step
+        wait_s = d.stall_timeout_s(self.placement.predicted_ttft_s, first=True)
         try:
-            async for event in call:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.__anext__(), wait_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    d.registry.mark_failed(self.decode_id, f"no token for {wait_s:.1f} s")
+                    return
+                wait_s = d.stall_timeout_s(self.placement.predicted_tpot_s, first=False)
                 if event.HasField("stats") and not self.cached_tokens:
                     hit = event.stats.hit_tokens
                     if self.placement.colocated:
@@ -261,6 +272,8 @@ class Dispatcher:
         max_attempts: int = 3,
         prefill_timeout_s: float = 120.0,
         decode_timeout_s: float = 3600.0,
+        min_stall_s: float = 10.0,
+        stall_factor: float = 20.0,
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         decisions: collections.deque[dict[str, object]] | None = None,
@@ -274,6 +287,8 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.prefill_timeout_s = prefill_timeout_s
         self.decode_timeout_s = decode_timeout_s
+        self.min_stall_s = min_stall_s
+        self.stall_factor = stall_factor
         self.retry_after_s = retry_after_s
         self.clock = clock
         self.in_flight: dict[str, Run] = {}
@@ -321,7 +336,7 @@ class Dispatcher:
                 return run
             sent = self.clock()
             try:
-                reply = await self._prefill(placement.prefill_id, job)
+                reply = await self._prefill(placement.prefill_id, job, placement.predicted_ttft_s)
             except grpc.aio.AioRpcError as exc:
                 self.core.on_failed(job.request_id, self.clock())
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -360,7 +375,16 @@ class Dispatcher:
             retry_after_s=self.retry_after_s,
         )
 
-    async def _prefill(self, address: str, job: Job) -> pb.PrefillResponse:
+    def stall_timeout_s(self, predicted_s: float, first: bool) -> float:
+        """How long a worker may stay silent before the router gives up on it and goes
+        elsewhere: `stall_factor` times the prediction, at least `min_stall_s` (a first event
+        or a prefill includes queueing, so it gets the prefill bound)."""
+        bound = max(self.min_stall_s, self.stall_factor * max(predicted_s, 0.0))
+        return min(bound, self.prefill_timeout_s) if first else bound
+
+    async def _prefill(
+        self, address: str, job: Job, predicted_ttft_s: float = 0.0
+    ) -> pb.PrefillResponse:
         handle = self.registry.workers.get(address)
         if handle is None:
             raise _gone(address)
@@ -368,7 +392,8 @@ class Dispatcher:
             request_id=job.request_id, token_ids=list(job.prompt_ids), sampling=job.sampling
         )
         reply: pb.PrefillResponse = await handle.prefill_stub().Prefill(
-            request, timeout=self.prefill_timeout_s
+            request,
+            timeout=min(self.prefill_timeout_s, self.stall_timeout_s(predicted_ttft_s, True)),
         )
         return reply
 

@@ -72,6 +72,7 @@ class RouterService:
             metrics=self.metrics,
             seed=config.seed,
             max_attempts=config.max_attempts,
+            min_stall_s=config.min_stall_s,
             decisions=collections.deque(maxlen=max(1, config.debug_decisions)),
         )
         self.watch = (

@@ -4,6 +4,8 @@
 - the router restarted from its file serves again, with its configuration (SLO classes, policy);
 - a prefill worker killed with SIGKILL: the next requests are served by the other one (the
   router retries), and the dead one is dropped within the bounded time;
+- a decode worker that hangs mid-stream (SIGSTOP): the router gives up on it after its stall
+  bound and the stream continues on the other decode worker; the worker is taken back later;
 - the decode worker killed with SIGKILL mid-stream: the stream continues on the other decode
   worker, and the client gets exactly the greedy reference's tokens (none missing or repeated).
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +33,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "strata-tiny-llama"
 DROP_AFTER_S = 1.5
+STALL_S = 1.0
 
 
 class Cluster:
@@ -74,6 +79,7 @@ def cluster(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                 "[router]\n"
                 'policy = "round_robin"\n'
                 f"drop_after_s = {DROP_AFTER_S}\n"
+                f"min_stall_s = {STALL_S}\n"
                 f"workers = {json.dumps(addresses)}\n"
                 f'store = "{daemon.address}"\n'
                 f'profile = "{write_profile(tmp / "profile.json")}"\n'
@@ -157,6 +163,58 @@ def test_prefill_worker_killed_requests_served_by_the_other(cluster: Cluster) ->
     assert _retries(cluster.base, "prefill") >= retries + 1
     # and the silent worker is dropped within the bound
     wait_for(lambda: cluster.health().get("prefill") == 1, DROP_AFTER_S + 3, "the drop")
+
+
+def _stream_tokens(cluster: Cluster, prompt: list[int], count: int, act: object) -> list[int]:
+    """Stream a completion; after 4 tokens call `act(decode worker address)` once."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": count,
+        "stream": True,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    tokens: list[int] = []
+    acted = False
+    with httpx.stream("POST", f"{cluster.base}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        first = reply.headers["x-strata-decode"]
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            tokens += chunk["choices"][0].get("token_ids", [])
+            if not acted and len(tokens) >= 4:
+                act(first)  # type: ignore[operator]
+                acted = True
+    assert acted, "the stream ended before the worker could be disturbed"
+    return tokens
+
+
+def test_decode_worker_that_hangs_mid_stream_is_given_up_on(cluster: Cluster) -> None:
+    prompt = _prompt(5, length=40)
+    count = 200
+    want = cluster.reference(prompt, count)
+    stopped: list[Child] = []
+
+    def hang(address: str) -> None:
+        cluster.decode[address].signal(signal.SIGSTOP)  # alive, but silent
+        stopped.append(cluster.decode[address])
+
+    resumes = _retries(cluster.base, "decode")
+    began = time.monotonic()
+    try:
+        tokens = _stream_tokens(cluster, prompt, count, hang)
+    finally:
+        for child in stopped:
+            child.signal(signal.SIGCONT)
+    assert tokens == want
+    assert _retries(cluster.base, "decode") >= resumes + 1
+    assert time.monotonic() - began < 30
+    # the worker that hung answers again and is taken back
+    wait_for(lambda: cluster.health().get("decode") == 2, 15, "the hung worker's return")
 
 
 def test_decode_worker_killed_mid_stream_resumes_on_the_other(cluster: Cluster) -> None:
