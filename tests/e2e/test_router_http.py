@@ -322,3 +322,31 @@ def test_openapi_schema_holds_for_generated_requests(stack: Stack) -> None:
         check()
         tried.append(f"{method} {path}")
     assert len(tried) == 4
+
+
+def test_router_reports_a_taken_port_and_a_missing_profile(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    profile = str(write_profile(tmp_path / "p.json"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        args = ["router", "--workers", "127.0.0.1:9", "--port", str(port), "--profile", profile]
+        done = subprocess.run(
+            [sys.executable, "-m", "strata_cli.main", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "strata_cli.main", "router", "--workers", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--profile" in done.stderr
