@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,15 +361,15 @@ def banner(base: str, model: str, ns: argparse.Namespace, up: Up) -> None:
 
 
 def _model_name(base: str) -> str:
-    import httpx
-
+    """The model the router serves, once it lists one (bounded: 30 s)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            data = httpx.get(f"{base}/models", timeout=2).json()["data"]
+            with urllib.request.urlopen(f"{base}/models", timeout=2) as reply:
+                data = json.loads(reply.read())["data"]
             if data:
                 return str(data[0]["id"])
-        except (httpx.HTTPError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError):
             pass
         time.sleep(0.2)
     raise RuntimeError("the router did not list the model within 30 s")
