@@ -246,3 +246,27 @@ def test_decode_worker_killed_mid_stream_resumes_on_the_other(cluster: Cluster) 
     assert killed, "the stream ended before the decode worker could be killed"
     assert tokens == want
     assert _retries(cluster.base, "decode") >= 1
+
+
+def test_last_decode_worker_killed_mid_stream_ends_with_an_error_event(cluster: Cluster) -> None:
+    """With no decode worker left, the stream ends with an OpenAI-style error event (the 503
+    of the one table) and `data: [DONE]`: never a silent truncation."""
+    body = {
+        "model": MODEL,
+        "prompt": _prompt(6),
+        "max_tokens": 300,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    events: list[str] = []
+    with httpx.stream("POST", f"{cluster.base}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200
+        last = reply.headers["x-strata-decode"]
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 4:
+                    cluster.decode[last].kill9()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["type"], error["code"]) == ("overloaded_error", "no_worker")
