@@ -100,7 +100,8 @@ def _client(address: str, path: str, io_class: IoClass, timeout_s: float = 30.0)
 
 def percentiles(secs: Sequence[float]) -> tuple[float, float]:
     ordered = sorted(secs)
-    return statistics.median(ordered) * 1e3, ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return statistics.median(ordered) * 1e3, p99 * 1e3
 
 
 def latency(name: str, idle: Sequence[float], loaded: Sequence[float]) -> Latency:
@@ -449,14 +450,17 @@ def bench_slow_disk(ns: argparse.Namespace, folder: Path, report: Report) -> Non
 
 
 def print_report(report: Report) -> None:
-    head = f"{'operation':<44} {'idle p50':>9} {'p99':>8} {'loaded p50':>11} {'p99':>8} {'x p50':>6} {'x p99':>6}"
-    for title, rows in (("(a) critical gets, idle vs background flood on every path", report.critical),
-                        ("(b) DRAM ops, idle vs put load forcing demotion", report.slow_disk)):
+    head = (f"{'operation':<44} {'idle p50':>9} {'p99':>8} {'loaded p50':>11} {'p99':>8} "
+            f"{'x p50':>6} {'x p99':>6}")
+    sections = (("(a) critical gets, idle vs background flood on every path", report.critical),
+                ("(b) DRAM ops, idle vs put load forcing demotion", report.slow_disk))
+    for title, rows in sections:
         print(title)
         print(head)
         for r in rows:
-            print(f"{r.name:<44} {r.idle_p50_ms:>9.3f} {r.idle_p99_ms:>8.3f} {r.loaded_p50_ms:>11.3f} "
-                  f"{r.loaded_p99_ms:>8.3f} {r.p50_ratio:>6.2f} {r.p99_ratio:>6.2f}")
+            print(f"{r.name:<44} {r.idle_p50_ms:>9.3f} {r.idle_p99_ms:>8.3f} "
+                  f"{r.loaded_p50_ms:>11.3f} {r.loaded_p99_ms:>8.3f} {r.p50_ratio:>6.2f} "
+                  f"{r.p99_ratio:>6.2f}")
         print()
     if report.cap is not None:
         cap = report.cap

@@ -255,7 +255,8 @@ class NetLoss(Fault):
     def setup(self, env: PhaseEnv) -> str:
         steps = [
             (["ip", "netns", "add", self.ns], False),
-            (["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if], False),
+            (["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
+             False),
             (["ip", "link", "set", self.ns_if, "netns", self.ns], False),
             (["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.host_if], False),
             (["ip", "link", "set", self.host_if, "up"], False),

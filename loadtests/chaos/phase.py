@@ -17,6 +17,7 @@ Each phase has its own folder, ports and scope, so phases cannot mask each other
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from pathlib import Path
 from client import ClusterClient, StoreClient, StrataError
 from loadtests.chaos.pages import LAYOUTS, chaos_scope, classify
 from loadtests.chaos.report import FaultResult, availability
+from loadtests.chaos.worker import Record
 from loadtests.daemon import DaemonProcess, wait_for
 from loadtests.etcd import free_port
 
@@ -90,10 +92,8 @@ class Worker:
     def pid(self) -> int:
         return self.proc.pid
 
-    def stop(self, timeout_s: float = 20.0) -> dict[str, object] | None:
+    def stop(self, timeout_s: float = 20.0) -> Record | None:
         """SIGCONT (in case it is stopped), SIGTERM, wait; the record it wrote, or None."""
-        import json
-
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.send_signal(signal.SIGTERM)
@@ -103,10 +103,9 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
         try:
-            record: dict[str, object] = json.loads(self.result.read_text())
-        except (OSError, ValueError):
+            return Record.from_json(json.loads(self.result.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        return record
 
 
 @dataclass
@@ -211,8 +210,8 @@ def _start_daemons(fault: Fault, env: PhaseEnv) -> None:
             "--set", f"limits.lease_ttl_ms={LEASE_TTL_MS}",
             *integrity, *fault.settings(env),
         ]
-        d = DaemonProcess(env.folder / f"node{n}", dram=fault.dram or env.load.dram, ssd=env.load.ssd,
-                          extra=extra, port=port)
+        d = DaemonProcess(env.folder / f"node{n}", dram=fault.dram or env.load.dram,
+                          ssd=env.load.ssd, extra=extra, port=port)
         d.args = [*env.daemon_prefix, *d.args]
         env.daemons.append(d)
         d.start()
@@ -263,19 +262,19 @@ def _run(fault: Fault, env: PhaseEnv, load_s: float) -> FaultResult:
 
 
 def _check(
-    fault: Fault, env: PhaseEnv, records: list[dict[str, object]], t_on: float, t_off: float
+    fault: Fault, env: PhaseEnv, records: list[Record], t_on: float, t_off: float
 ) -> FaultResult:
     acked: dict[int, dict[str, int]] = {}  # page KiB -> key hex -> digest
     wrong_live: set[str] = set()
     calls: list[tuple[float, float, bool, str]] = []
     errors: dict[str, int] = {}
     for i, rec in enumerate(records):
-        acked.setdefault(int(rec["page_kib"]), {}).update(rec["acked"])  # type: ignore[arg-type, call-overload]
-        wrong_live.update(rec["wrong"])  # type: ignore[arg-type]
-        for name, n in rec["errors"].items():  # type: ignore[attr-defined]
+        acked.setdefault(rec.page_kib, {}).update(rec.acked)
+        wrong_live.update(rec.wrong)
+        for name, n in rec.errors.items():
             errors[name] = errors.get(name, 0) + n
         if i not in env.victims:
-            calls.extend(tuple(c) for c in rec["calls"])  # type: ignore[attr-defined, misc]
+            calls.extend(rec.calls)
     avail = availability(calls, t_on, t_off)
     intact: list[bytes] = []
     missing: list[bytes] = []
@@ -292,8 +291,9 @@ def _check(
     env.details["client_errors"] = errors
     env.details["served_wrong_during_load"] = len(wrong_live)
     return FaultResult(
-        fault.name, acknowledged=sum(len(k) for k in acked.values()), intact=len(intact), missing=len(missing),
-        wrong=len(wrong), leaks=leaks, availability=avail, notes=tuple(env.notes),
+        fault.name, acknowledged=sum(len(k) for k in acked.values()), intact=len(intact),
+        missing=len(missing), wrong=len(wrong), leaks=leaks, availability=avail,
+        notes=tuple(env.notes),
         details=env.details,
     )
 

@@ -42,7 +42,8 @@ class FaultResult:
         out = asdict(self)
         out["notes"] = list(self.notes)
         if self.availability is not None:
-            out["availability"] = {**asdict(self.availability), "fraction": self.availability.fraction}
+            a = self.availability
+            out["availability"] = {**asdict(a), "fraction": a.fraction}
         return out
 
 

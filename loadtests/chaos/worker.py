@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
 from client import ClusterClient, PutStatus, StoreClient, StrataError
 from loadtests.chaos.pages import LAYOUTS, chaos_scope, digest, expected, is_intact, prompt
@@ -60,6 +61,17 @@ class Record:
         name = type(exc).__name__
         self.errors[name] = self.errors.get(name, 0) + 1
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Record:
+        """A record as `to_json` wrote it (read back by the phase that ran the worker)."""
+        record = cls(int(doc["worker_id"]), int(doc["page_kib"]))
+        record.acked = {str(k): int(v) for k, v in doc["acked"].items()}
+        record.wrong = {str(k): float(v) for k, v in doc["wrong"].items()}
+        record.calls = [(float(a), float(b), bool(ok), str(op)) for a, b, ok, op in doc["calls"]]
+        record.errors = {str(k): int(v) for k, v in doc["errors"].items()}
+        record.gets_pages, record.gets_hits = int(doc["gets_pages"]), int(doc["gets_hits"])
+        return record
+
     def to_json(self) -> dict[str, object]:
         return {
             "worker_id": self.worker_id,
@@ -92,8 +104,8 @@ def run(ns: argparse.Namespace, stop: threading.Event) -> Record:
             wait = slot - time.monotonic()
             if wait > 0 and stop.wait(wait):
                 break
-            roll = rng.random()
-            op = "put" if roll < ns.put_share or not prompts else ("get" if roll < 0.8 else "lookup")
+            roll = rng.random() if prompts else 0.0  # the first call puts
+            op = "put" if roll < ns.put_share else ("get" if roll < 0.8 else "lookup")
             start = time.monotonic()
             ok = True
             try:

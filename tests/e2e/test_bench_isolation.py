@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_isolation_tiny_run_writes_both_measurements(tmp_path: Path) -> None:
     out = tmp_path / "isolation.json"
     done = subprocess.run(
-        [sys.executable, "-m", "strata_cli.main", "bench", "isolation", "--seconds", "0.6", "--rounds", "2",
+        [sys.executable, "-m", "strata_cli.main", "bench", "isolation",
+         "--seconds", "0.6", "--rounds", "2",
          "--max-calls", "300", "--flood-page-kib", "64", "--flood-batch", "4",
          "--dram", "32MiB", "--slow-dram", "16MiB", "--ssd", "256MiB", "--cap", "8MiB",
          "--dir", str(tmp_path / "state"), "--json", str(out)],
