@@ -16,6 +16,7 @@ and the `strata` policy prices every candidate with them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,11 +35,10 @@ class PrefixGroups:
 def prefix_groups(request: RequestView) -> PrefixGroups:
     """Group the hit pages the request can use; at least one prompt token is always computed."""
     usable = min(request.prefix.hit_pages, (request.prompt_tokens - 1) // request.page_tokens)
-    counts: dict[tuple[str, str], int] = {}
-    for tier, host in zip(
-        request.prefix.tiers[:usable], request.prefix.node_hosts[:usable], strict=True
-    ):
-        counts[(tier, host)] = counts.get((tier, host), 0) + 1
+    if usable <= 0:
+        return PrefixGroups(0, ())
+    tiers, hosts = request.prefix.tiers[:usable], request.prefix.node_hosts[:usable]
+    counts = Counter(zip(tiers, hosts, strict=True))
     return PrefixGroups(usable, tuple((t, h, n) for (t, h), n in counts.items()))
 
 
@@ -86,11 +86,39 @@ def estimate_prefill(
     return PrefillEstimate(waiting, 0.0, recompute, 0)
 
 
-def load_over(
-    worker: WorkerView, model: TimeModel, now: float, start_s: float, end_s: float
-) -> tuple[float, float]:
-    """(requests, context tokens) `worker` is predicted to decode, averaged over [start_s, end_s]
-    (the load at `start_s` when the two are equal).
+@dataclass(frozen=True, slots=True)
+class DecodeLoad:
+    """A decode worker's batch over time, as predicted from its view: `steady` requests (with
+    `steady_context` tokens) stay throughout; each of `spans` (since, until, context tokens) is
+    there for a while. Built once per worker and decision by `decode_load`, then asked for many
+    windows (`over`)."""
+
+    steady: float
+    steady_context: float
+    spans: tuple[tuple[float, float, float], ...]
+    max_batch: int
+
+    def over(self, start_s: float, end_s: float) -> tuple[float, float]:
+        """(requests, context tokens) averaged over [start_s, end_s] (at start_s if equal)."""
+        requests, tokens = self.steady, self.steady_context
+        span = end_s - start_s
+        if span <= 0:
+            for since, until, ctx in self.spans:
+                if since <= start_s < until:
+                    requests += 1.0
+                    tokens += ctx
+            return requests, tokens
+        for since, until, ctx in self.spans:
+            overlap = (until if until < end_s else end_s) - (since if since > start_s else start_s)
+            if overlap > 0:
+                share = overlap / span
+                requests += share
+                tokens += ctx * share
+        return requests, tokens
+
+
+def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
+    """The predicted batch of `worker` (see DecodeLoad).
 
     A running request stays until its reported remaining tokens run out at today's step time
     (forever when the worker does not report them); a ledger dispatch is there from its join
@@ -98,37 +126,35 @@ def load_over(
     """
     running = worker.running_requests
     context = worker.running_context_tokens
-    span = end_s - start_s
-    step = model.decode_step_s(max(running, 1), context)
     joins = worker.pending_joins
-    join_step = model.decode_step_s(
-        running + len(joins), context + sum(j.context_tokens for j in joins)
-    )
-    requests = float(running)
-    tokens = float(context)
+    spans: list[tuple[float, float, float]] = []
+    steady, steady_context = float(running), float(context)
+    step = model.decode_step_s(max(running, 1), context)
     if worker.running_remaining_tokens and running > 0 and step > 0:
         reported_at = now - worker.report_age_s
-        share = 0.0
-        for remaining in worker.running_remaining_tokens[:running]:
-            share += _presence(reported_at, reported_at + remaining * step, start_s, span)
-        requests = share
-        tokens = context * share / running
-    for join in joins:
-        presence = _presence(
-            join.join_at_s, join.join_at_s + join.max_tokens * join_step, start_s, span
-        )
-        requests += presence
-        tokens += join.context_tokens * presence
-    return requests, tokens
+        each = context / running
+        remaining = worker.running_remaining_tokens[:running]
+        spans.extend((reported_at, reported_at + r * step, each) for r in remaining)
+        steady = float(running - len(remaining))
+        steady_context = each * steady
+    if joins:
+        joining = 0
+        for j in joins:
+            joining += j.context_tokens
+        join_step = model.decode_step_s(running + len(joins), context + joining)
+        for j in joins:
+            spans.append(
+                (j.join_at_s, j.join_at_s + j.max_tokens * join_step, float(j.context_tokens))
+            )
+    return DecodeLoad(steady, steady_context, tuple(spans), worker.max_batch)
 
 
-def _presence(since: float, until: float, start_s: float, span: float) -> float:
-    """The fraction of [start_s, start_s + span] within [since, until) (presence at start_s for
-    an empty span)."""
-    if span <= 0:
-        return 1.0 if since <= start_s < until else 0.0
-    overlap = min(until, start_s + span) - max(since, start_s)
-    return max(overlap, 0.0) / span
+def load_over(
+    worker: WorkerView, model: TimeModel, now: float, start_s: float, end_s: float
+) -> tuple[float, float]:
+    """(requests, context tokens) `worker` is predicted to decode, averaged over [start_s, end_s]
+    (the load at `start_s` when the two are equal)."""
+    return decode_load(worker, model, now).over(start_s, end_s)
 
 
 def estimate_tpot(
@@ -138,19 +164,29 @@ def estimate_tpot(
     now: float,
     join_at_s: float,
     mode: str = "predicted",
+    load: DecodeLoad | None = None,
+    life_s: float | None = None,
 ) -> float:
     """Predicted seconds per output token of `request` on decode worker `worker`.
 
     "predicted": the batch averaged over the request's life from `join_at_s` (its length taken
     at the step time of the batch it joins); "current": the batch as reported, plus itself.
     The request's own context is its prompt plus half its generation (its mean over its life).
-    A batch past `max_batch` time-shares the worker: the step stretches in proportion.
+    A batch past `max_batch` time-shares the worker: the step stretches in proportion. `load`
+    is `decode_load(worker, model, now)` when the caller has it already; `life_s` the request's
+    decode time when the caller has an estimate of it (else it is taken at the join).
     """
     own = request.prompt_tokens + request.max_tokens / 2.0
     if mode == "predicted":
-        running, context = load_over(worker, model, now, join_at_s, join_at_s)
-        life = request.max_tokens * _step(model, running + 1.0, context + own, worker.max_batch)
-        running, context = load_over(worker, model, now, join_at_s, join_at_s + life)
+        batch = load if load is not None else decode_load(worker, model, now)
+        if life_s is not None:
+            life = life_s
+        else:
+            running, context = batch.over(join_at_s, join_at_s)
+            life = request.max_tokens * _step(model, running + 1.0, context + own, worker.max_batch)
+        running, context = batch.steady, batch.steady_context
+        if batch.spans:
+            running, context = batch.over(join_at_s, join_at_s + life)
     elif mode == "current":
         running, context = float(worker.running_requests), float(worker.running_context_tokens)
     else:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from engine.router.core.estimate import (
+    DecodeLoad,
+    PrefillEstimate,
     PrefixGroups,
     eligible,
     estimate_prefill,
@@ -97,14 +99,30 @@ def price(
     now: float,
     groups: PrefixGroups | None = None,
     decode_weight: float = 1.0,
+    *,
+    estimate: PrefillEstimate | None = None,
+    load: DecodeLoad | None = None,
+    life_s: float | None = None,
 ) -> Candidate:
     """The candidate (prefill, decode) with its predicted TTFT, TPOT and cost.
 
     cost = TTFT + decode_weight * max_tokens * TPOT: the request's predicted end-to-end time
-    with the default weight.
+    with the default weight. `estimate`, `load` and `life_s` are the prefill estimate, the
+    decode load and the request's decode time when the caller has them already.
     """
-    est = estimate_prefill(request, prefill, model, groups)
-    tpot = estimate_tpot(request, decode, model, now, now + est.ttft_s)
+    est = estimate if estimate is not None else estimate_prefill(request, prefill, model, groups)
+    tpot = estimate_tpot(request, decode, model, now, now + est.ttft_s, load=load, life_s=life_s)
+    return candidate(request, prefill, decode, est, tpot, decode_weight)
+
+
+def candidate(
+    request: RequestView,
+    prefill: WorkerView,
+    decode: WorkerView,
+    est: PrefillEstimate,
+    tpot: float,
+    decode_weight: float = 1.0,
+) -> Candidate:
     return Candidate(
         prefill_id=prefill.worker_id,
         decode_id=decode.worker_id,

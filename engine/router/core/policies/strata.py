@@ -18,11 +18,27 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import TypeVar
 
-from engine.router.core.estimate import prefix_groups
-from engine.router.core.policies.base import no_worker, placement_of, pools, price
+from engine.router.core.estimate import (
+    decode_load,
+    estimate_prefill,
+    estimate_tpot,
+    prefix_groups,
+)
+from engine.router.core.policies.base import candidate, no_worker, placement_of, pools, price
 from engine.router.core.timemodel import TimeModel
-from engine.router.core.types import Candidate, Placement, Refusal, RequestView, WorkerView
+from engine.router.core.types import (
+    Candidate,
+    Placement,
+    Refusal,
+    RequestView,
+    Role,
+    WorkerView,
+)
+
+SHORTLIST = 3  # prefill workers (and decode workers for each) priced exactly
+_T = TypeVar("_T")
 
 
 class Strata:
@@ -49,25 +65,86 @@ class Strata:
         if not servable:
             return no_worker(request, workers)
         groups = prefix_groups(request)
-        per_prefill: list[tuple[Candidate, list[Candidate]]] = []
-        for prefill in servable:
-            pairs = [
-                price(request, prefill, decode, model, now, groups, self.decode_weight)
-                for decode in pool.decoders_for(prefill)
-            ]
-            pairs.sort(key=lambda c: (c.cost, c.decode_id))
-            per_prefill.append((pairs[0], pairs))
-        best_cost = min(c.cost for c, _ in per_prefill)
+        weight = self.decode_weight * request.max_tokens
+        estimates = {p.worker_id: estimate_prefill(request, p, model, groups) for p in servable}
+        loads = {d.worker_id: decode_load(d, model, now) for d in pool.decode}
+        for p in servable:
+            if p.role is Role.colocated:
+                loads[p.worker_id] = decode_load(p, model, now)
+        # Pricing every pair exactly costs P x D decode estimates. TPOT depends on the prefill
+        # worker only through the join time, so first each decode worker is priced once, at
+        # the earliest join; then the SHORTLIST best prefill workers are priced exactly with
+        # their SHORTLIST best decode workers, and the cheapest exact pair wins.
+        earliest = now + min(e.ttft_s for e in estimates.values())
+        rough_tpot = {
+            d.worker_id: estimate_tpot(request, d, model, now, earliest, load=loads[d.worker_id])
+            for d in pool.decode
+        }
+        by_decode = sorted(pool.decode, key=lambda d: (rough_tpot[d.worker_id], d.worker_id))
+        decode_list = self._shortlist(by_decode, [rough_tpot[d.worker_id] for d in by_decode])
+
+        def rough_best(p: WorkerView) -> tuple[float, tuple[WorkerView, ...]]:
+            if p.role is Role.colocated:
+                return estimates[p.worker_id].ttft_s, (p,)
+            best = rough_tpot[by_decode[0].worker_id]
+            return estimates[p.worker_id].ttft_s + weight * best, decode_list
+
+        rough = sorted(
+            ((rough_best(p), p) for p in servable), key=lambda x: (x[0][0], x[1].worker_id)
+        )
+        shortlisted = self._shortlist(rough, [cost for (cost, _), _ in rough])
+        exact: list[Candidate] = []
+        for (_, decoders), p in shortlisted:
+            est = estimates[p.worker_id]
+            for d in decoders:
+                exact.append(
+                    price(
+                        request,
+                        p,
+                        d,
+                        model,
+                        now,
+                        decode_weight=self.decode_weight,
+                        estimate=est,
+                        load=loads[d.worker_id],
+                        life_s=(
+                            request.max_tokens * rough_tpot[d.worker_id]
+                            if d.worker_id in rough_tpot
+                            else None
+                        ),
+                    )
+                )
+        best_cost = min(c.cost for c in exact)
         limit = best_cost * (1.0 + self.tie_tolerance)
-        tied = sorted((c for c, _ in per_prefill if c.cost <= limit), key=lambda c: c.prefill_id)
+        tied = sorted(
+            (c for c in exact if c.cost <= limit), key=lambda c: (c.prefill_id, c.decode_id)
+        )
         winner = tied[0] if len(tied) == 1 else rng.choice(tied)
         candidates = [winner]
-        for best, pairs in per_prefill:
-            if best.prefill_id == winner.prefill_id:
-                candidates.extend(_lost(c, winner, self.decode_weight, request) for c in pairs[1:])
-            elif best is not winner:
-                candidates.append(_lost(best, winner, self.decode_weight, request))
+        candidates.extend(
+            _lost(c, winner, self.decode_weight, request) for c in exact if c is not winner
+        )
+        for (_, decoders), p in rough[len(shortlisted) :]:
+            d = decoders[0]
+            est = estimates[p.worker_id]
+            if p.role is Role.colocated:
+                tpot = estimate_tpot(
+                    request, d, model, now, now + est.ttft_s, load=loads[d.worker_id]
+                )
+            else:
+                tpot = rough_tpot[d.worker_id]
+            cand = candidate(request, p, d, est, tpot, self.decode_weight)
+            candidates.append(_lost(cand, winner, self.decode_weight, request))
         return placement_of(winner, self.name, tuple(candidates))
+
+    def _shortlist(self, ordered: Sequence[_T], costs: Sequence[float]) -> tuple[_T, ...]:
+        """The first SHORTLIST of `ordered` (cheapest first), and every later one tied with the
+        cheapest within the tolerance (so a draw can pick any of equal workers)."""
+        if not ordered:
+            return ()
+        limit = costs[0] * (1.0 + self.tie_tolerance)
+        keep = max(SHORTLIST, sum(1 for c in costs if c <= limit))
+        return tuple(ordered[:keep])
 
 
 def _lost(
