@@ -81,6 +81,7 @@ class SchedulerLoad:
     running_context_tokens: int
     free_pages: int
     total_pages: int
+    running_remaining_tokens: tuple[int, ...] = ()  # per running request: most tokens still to come
 
 
 @dataclass(eq=False)
@@ -174,6 +175,9 @@ class BatchScheduler:
             running_context_tokens=sum(len(s.tokens) for s in running),
             free_pages=self.pool.num_free,
             total_pages=self.pool.num_pages,
+            running_remaining_tokens=tuple(
+                max(0, s.output.limit - len(s.output.tokens)) for s in running
+            ),
         )
 
     # ---- the caller's side -----------------------------------------------------------------

@@ -178,6 +178,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             running_context_tokens=load.running_context_tokens,
             free_pages=load.free_pages,
             accepting=self.accepting(),
+            running_remaining_tokens=list(load.running_remaining_tokens),
         )
 
 

@@ -542,6 +542,7 @@ class LoadReport(_message.Message):
     FREE_PAGES_FIELD_NUMBER: _builtins.int
     ACCEPTING_FIELD_NUMBER: _builtins.int
     SERVED_REQUESTS_FIELD_NUMBER: _builtins.int
+    RUNNING_REMAINING_TOKENS_FIELD_NUMBER: _builtins.int
     queued_prefill_tokens: _builtins.int
     """prompt tokens accepted and not yet computed"""
     queued_requests: _builtins.int
@@ -556,6 +557,10 @@ class LoadReport(_message.Message):
     """false once the worker is draining"""
     served_requests: _builtins.int
     """finished since start (a counter)"""
+    @_builtins.property
+    def running_remaining_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per running request: most tokens still to come"""
+
     def __init__(
         self,
         *,
@@ -566,10 +571,11 @@ class LoadReport(_message.Message):
         free_pages: _builtins.int = ...,
         accepting: _builtins.bool = ...,
         served_requests: _builtins.int = ...,
+        running_remaining_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "free_pages", b"free_pages", "queued_prefill_tokens", b"queued_prefill_tokens", "queued_requests", b"queued_requests", "running_context_tokens", b"running_context_tokens", "running_requests", b"running_requests", "served_requests", b"served_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "free_pages", b"free_pages", "queued_prefill_tokens", b"queued_prefill_tokens", "queued_requests", b"queued_requests", "running_context_tokens", b"running_context_tokens", "running_remaining_tokens", b"running_remaining_tokens", "running_requests", b"running_requests", "served_requests", b"served_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

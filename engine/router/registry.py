@@ -296,6 +296,7 @@ class Registry:
                     free_pages=r.free_pages,
                     max_batch=max(1, d.max_batch),
                     report_age_s=max(0.0, t - h.report_at),
+                    running_remaining_tokens=tuple(r.running_remaining_tokens),
                 )
             )
         return tuple(out)

@@ -72,6 +72,8 @@ def test_load_reports_a_running_decode_and_its_freed_pages(
         busy = worker.Load(pb.LoadRequest(), timeout=5)
         assert busy.running_requests == 1 and busy.free_pages < idle.free_pages
         assert busy.running_context_tokens >= 48
+        (remaining,) = busy.running_remaining_tokens
+        assert 0 < remaining < 400
         stream.cancel()
         deadline = time.monotonic() + 10
         while worker.Load(pb.LoadRequest(), timeout=5).free_pages != idle.free_pages:
