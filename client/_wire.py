@@ -329,6 +329,9 @@ def _pairs(metadata: object) -> list[tuple[str, str | bytes]]:
 # ---- channel options, deadlines and retries ----------------------------------------------
 
 
+WATCH_TIMEOUT_S = 3600.0  # the default deadline of `watch` (a stream holds a daemon thread)
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options of every channel a client opens."""
     return [

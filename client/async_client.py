@@ -23,6 +23,7 @@ from client._wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GET_METHOD,
     PUT_METHOD,
+    WATCH_TIMEOUT_S,
     Deadline,
     GetAssembler,
     RetryPolicy,
@@ -291,7 +292,7 @@ class AsyncStoreClient:
         return stats_from_proto(reply)
 
     def watch(
-        self, scope: Scope | None = None, *, timeout_s: float | None = None
+        self, scope: Scope | None = None, *, timeout_s: float | None = WATCH_TIMEOUT_S
     ) -> AsyncIterator[Event]:
         """Events of `scope` (every scope when None); see `StoreClient.watch`."""
         return self._events(scope, timeout_s)

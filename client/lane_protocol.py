@@ -58,3 +58,14 @@ def recv_exact(sock: socket.socket, n_bytes: int) -> bytearray:
             raise LaneClosed("lane closed by peer")
         got += n
     return buf
+
+
+def recv_growing(sock: socket.socket, n_bytes: int, step_bytes: int = 1 << 20) -> bytearray:
+    """Read exactly n_bytes, committing memory only as they arrive (a step at a time): a frame
+    header that announces much and sends little costs one step. Raises LaneClosed on EOF."""
+    if n_bytes <= step_bytes:
+        return recv_exact(sock, n_bytes)
+    buf = bytearray()
+    while len(buf) < n_bytes:
+        buf += recv_exact(sock, min(step_bytes, n_bytes - len(buf)))
+    return buf

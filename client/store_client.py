@@ -32,6 +32,7 @@ from client._wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GET_METHOD,
     PUT_METHOD,
+    WATCH_TIMEOUT_S,
     Deadline,
     GetAssembler,
     RetryPolicy,
@@ -343,11 +344,14 @@ class StoreClient:
         return stats_from_proto(self._call(conn.stub, "Stats", pb.StatsRequest(), pb.StatsResponse))
 
     def watch(
-        self, scope: Scope | None = None, *, timeout_s: float | None = None
+        self, scope: Scope | None = None, *, timeout_s: float | None = WATCH_TIMEOUT_S
     ) -> Iterator[Event]:
         """Events of `scope` (every scope when None) as they happen, until the iterator is
-        closed, the client is closed, or `timeout_s` passes (None: no deadline, the one call
-        without one). Never retried: a gap shows as a jump in `Event.seq`."""
+        closed, the client is closed, or `timeout_s` passes (an hour by default; None: no
+        deadline). The channel's keep-alive pings notice a daemon that went away meanwhile.
+        A daemon serves a bounded number of streams at once: beyond it a watch is refused
+        with CapacityExhausted (retry later). Never retried: a gap shows as a jump in
+        `Event.seq`."""
         conn = self._ready()
         request = pb.WatchRequest(scope_digest=scope.digest if scope is not None else b"")
         return self._events(conn.stub.Watch(request, timeout=timeout_s))

@@ -75,6 +75,12 @@ class ServerConfig:
     metrics_port: int = 7701  # 0 = pick a free port; -1 = no metrics endpoint
     metrics_host: str = "127.0.0.1"
     workers: int = 16
+    # Streaming calls (Put, Get, Watch) served at once, each holding a server thread for its
+    # life; the rest are refused at once with RESOURCE_EXHAUSTED and a retry hint, so unary
+    # calls always find a thread. 0 = workers less a quarter (at least 2). Per client
+    # (connection): at most max_streams_per_client, and at most half of the slots.
+    max_streams: int = 0
+    max_streams_per_client: int = 4
     node_id: str = ""  # "" = derived from host and port
     # The UCX bulk data path (needs the `ucx` extra): true = serve it when ucxx imports.
     ucx: bool = True
@@ -133,6 +139,10 @@ class LimitsConfig:
     # The slots of an expired same-host reservation whose writer process the daemon cannot see
     # (another PID namespace) are freed after this long; see kvstore/fence.py.
     quarantine_max_ms: int = 3_600_000
+    # Reservations: DRAM bytes one client may hold reserved at once (0 = half of the DRAM tier),
+    # and the longest lease a reservation gets (a longer one asked for is cut to this).
+    max_reserved_bytes_per_client: int = 0
+    max_reserve_lease_ms: int = 60_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +195,23 @@ class StoreConfig:
         return self.data_path / f"strata-{self.server.port}.sock"
 
     @property
+    def stream_slots(self) -> int:
+        """Streaming calls served at once (`server.max_streams`; 0 = all server threads but a
+        quarter of them, at least 2, kept for unary calls)."""
+        workers = self.server.workers
+        return self.server.max_streams or max(1, workers - max(2, workers // 4))
+
+    @property
+    def streams_per_client(self) -> int:
+        """`server.max_streams_per_client`, at most half the stream slots (at least 1)."""
+        return max(1, min(self.server.max_streams_per_client, self.stream_slots // 2))
+
+    @property
+    def reserved_bytes_per_client(self) -> int:
+        """`limits.max_reserved_bytes_per_client`, 0 = half of the DRAM tier."""
+        return self.limits.max_reserved_bytes_per_client or self.dram.capacity_bytes // 2
+
+    @property
     def segment_name(self) -> str:
         if self.dram.segment_name:
             return self.dram.segment_name
@@ -215,6 +242,12 @@ class StoreConfig:
                 raise InvalidArgument("ssd.fault_*_error_rate must be in [0, 1]")
         if self.ssd.fault_read_delay_ms < 0 or self.ssd.fault_write_delay_ms < 0:
             raise InvalidArgument("ssd.fault_*_delay_ms must not be negative")
+        if self.server.max_streams < 0 or self.server.max_streams_per_client <= 0:
+            raise InvalidArgument(
+                "server.max_streams must be >= 0 and server.max_streams_per_client positive"
+            )
+        if self.limits.max_reserve_lease_ms <= 0:
+            raise InvalidArgument("limits.max_reserve_lease_ms must be positive")
         if self.io.concurrency <= 0:
             raise InvalidArgument("io.concurrency must be positive")
         if self.cluster.enabled:

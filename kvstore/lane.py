@@ -27,6 +27,7 @@ from client.lane_protocol import (
     STATUS_OK,
     LaneClosed,
     recv_exact,
+    recv_growing,
 )
 from kvstore.service import StoreService
 
@@ -129,7 +130,7 @@ class LaneServer:
                 if length > self._max_frame:
                     log.warning("lane frame of %d bytes exceeds the limit; closing", length)
                     return
-                payload = bytes(recv_exact(conn, length)) if length else b""
+                payload = bytes(recv_growing(conn, length)) if length else b""
                 status, retry_ms, body = self._dispatch(method, payload, peer_pid)
                 if not flags & ONE_WAY:
                     conn.sendall(RESPONSE.pack(len(body), status, retry_ms) + body)

@@ -35,6 +35,7 @@ from client.scope import KEY_BYTES, unpack_keys
 from kvstore.fence import probe_holder
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Store
+from kvstore.streams import StreamGate
 from kvstore_pb import API_VERSION, store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,17 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def __init__(self, store: Store, node: NodeIdentity) -> None:
         self.store = store
         self.node = node
+        cfg = store.config
+        self.streams = StreamGate(cfg.stream_slots, cfg.streams_per_client)
+
+    def _keys(self, packed: bytes) -> list[bytes]:
+        """Unpack a packed key field, refusing too many keys before splitting any."""
+        limit = self.store.config.limits.max_keys_per_call
+        if len(packed) > limit * KEY_BYTES:
+            raise InvalidArgument(
+                f"{len(packed) // KEY_BYTES} keys in one call; the limit is {limit}"
+            )
+        return unpack_keys(packed)
 
     @unary
     def NodeInfo(
@@ -191,7 +203,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Lookup(
         self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> store_pb2.LookupResponse:
-        outcome = self.store.lookup(_digest(request.scope_digest), unpack_keys(request.keys))
+        outcome = self.store.lookup(_digest(request.scope_digest), self._keys(request.keys))
         return store_pb2.LookupResponse(
             hit_count=outcome.hit_count, tiers=[_pb_tier(t) for t in outcome.tiers]
         )
@@ -206,6 +218,13 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.PutResponse:
         """Messages are generated PutRequests, or, registered by `add_to_server`, ChunkViews
         for the chunks (decoded in place) and PutRequests for anything else."""
+        client = context.peer()
+        with self.streams.enter(client):
+            return self._put(request_iterator, client)
+
+    def _put(
+        self, request_iterator: Iterator[store_pb2.PutRequest | ChunkView], client: str
+    ) -> store_pb2.PutResponse:
         tune_malloc()
         first = next(request_iterator, None)
         if not isinstance(first, store_pb2.PutRequest) or first.WhichOneof("part") != "begin":
@@ -219,7 +238,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             raise InvalidArgument(
                 f"{begin.page_count} pages in one put; the limit is {limits.max_keys_per_call}"
             )
-        writer = _PutWriter(self.store, scope.encode(), io_class, tier)
+        writer = _PutWriter(self.store, scope.encode(), io_class, tier, client)
         try:
             for message in request_iterator:
                 if isinstance(message, ChunkView):
@@ -238,7 +257,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Get(
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.GetResponse]:
-        yield from self._get_stream(request, _pb_chunk, _pb_missing)
+        with self.streams.enter(context.peer()):
+            yield from self._get_stream(request, _pb_chunk, _pb_missing)
 
     @streaming
     def _get_messages(
@@ -246,7 +266,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> Iterator[bytes]:
         """Get as serialized GetResponses (what `add_to_server` registers): each chunk's data is
         copied once, from the DRAM tier into the message."""
-        yield from self._get_stream(request, _raw_chunk, _raw_missing)
+        with self.streams.enter(context.peer()):
+            yield from self._get_stream(request, _raw_chunk, _raw_missing)
 
     def _get_stream(
         self,
@@ -255,7 +276,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         missing: Callable[[int], _M],
     ) -> Iterator[_M]:
         tune_malloc()
-        keys = unpack_keys(request.keys)
+        keys = self._keys(request.keys)
         io_class = io_class_from_wire(request.io_class)
         chunk_bytes = self.store.config.limits.chunk_bytes
         acq = self.store.acquire(_digest(request.scope_digest), keys, io_class)
@@ -295,6 +316,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReserveResponse:
         scope = self.store.scope_of(request.scope)
+        if len(request.headers) > self.store.config.limits.max_keys_per_call:
+            raise InvalidArgument(
+                f"{len(request.headers)} pages in one reserve; the limit is "
+                f"{self.store.config.limits.max_keys_per_call}"
+            )
         pid = getattr(context, "peer_pid", 0) or request.client_pid  # the lane knows it for sure
         res = self.store.reserve(
             scope,
@@ -302,6 +328,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             request.lease_ms,
             io_class_from_wire(request.io_class),
             holder=probe_holder(pid),
+            client=f"pid:{pid}" if pid else context.peer(),
         )
         reply = store_pb2.ReserveResponse(
             lease_id=res.lease_id, lease_expires_unix_ms=res.expires_unix_ms
@@ -328,7 +355,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.AcquireResponse:
         io_class = io_class_from_wire(request.io_class)
         acq = self.store.acquire(
-            _digest(request.scope_digest), unpack_keys(request.keys), io_class, request.lease_ms
+            _digest(request.scope_digest), self._keys(request.keys), io_class, request.lease_ms
         )
         reply = store_pb2.AcquireResponse(
             lease_id=acq.lease_id, lease_expires_unix_ms=acq.expires_unix_ms
@@ -373,7 +400,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.DeleteResponse:
         which = request.WhichOneof("target")
         if which == "keys":
-            deleted = self.store.delete(keys=unpack_keys(request.keys))
+            deleted = self.store.delete(keys=self._keys(request.keys))
         elif which == "scope_digest":
             deleted = self.store.delete(scope_digest=_digest(request.scope_digest))
         else:
@@ -415,6 +442,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Watch(
         self, request: store_pb2.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.Event]:
+        with self.streams.enter(context.peer()):
+            yield from self._watch(request, context)
+
+    def _watch(
+        self, request: store_pb2.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[store_pb2.Event]:
         scope = request.scope_digest
         if scope:
             _digest(scope)
@@ -439,8 +472,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
 class _PutWriter:
     """Receives one put stream page by page into DRAM reservations; verifies each page."""
 
-    def __init__(self, store: Store, scope: bytes, io_class: IoClass, tier: Tier | None) -> None:
+    def __init__(
+        self, store: Store, scope: bytes, io_class: IoClass, tier: Tier | None, client: str
+    ) -> None:
         self._store = store
+        self._client = client
         self._scope = store.scope_of(scope)
         self._io_class = io_class
         self._tier = tier
@@ -477,7 +513,11 @@ class _PutWriter:
         if not chunk.header:
             raise InvalidArgument(f"page {chunk.index}: the first chunk must carry the header")
         res = self._store.reserve(
-            self._scope, [chunk.header], self._store.config.limits.max_lease_ttl_ms
+            self._scope,
+            [chunk.header],
+            self._store.config.limits.max_reserve_lease_ms,
+            self._io_class,
+            client=self._client,
         )
         self._index = chunk.index
         self._header = PageHeader.decode(chunk.header)

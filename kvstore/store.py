@@ -172,6 +172,8 @@ class Store:
         self._pending_class: dict[int, IoClass] = {}  # I/O class each reservation was made in
         self._pending_keys: set[bytes] = set()
         self._pending_holder: dict[int, Holder] = {}  # who copies into each reservation's slots
+        self._pending_client: dict[int, tuple[str, int]] = {}  # lease -> (client, bytes)
+        self._reserved_bytes: dict[str, int] = {}  # client -> DRAM bytes it holds reserved
         self._doomed: set[bytes] = set()
         # pages put again while their deleted predecessor is still leased: stored when it goes
         self._replacing: dict[bytes, _Pending] = {}
@@ -350,6 +352,7 @@ class Store:
         lease_ms: int = 0,
         io_class: IoClass = IoClass.NORMAL,
         holder: Holder = DAEMON,
+        client: str = "",
     ) -> Reservation:
         """Reserve DRAM slots for the new pages among `raw_headers`. Mutates; takes a RESERVE lease.
 
@@ -357,20 +360,40 @@ class Store:
         same-host client process; if the lease expires, the slots stay quarantined until the
         holder is done. A page already present is not reserved; one being written by another
         reservation is not reserved and marked `pending`. Evicts (demotes) unleased pages as
-        needed. Raises InvalidArgument (see plan_put) or CapacityExhausted — in which case
-        nothing was reserved and nothing else changed.
+        needed. `client` names who asks (a process, a connection; "" = the daemon itself): one
+        client holds at most `limits.max_reserved_bytes_per_client` reserved at once, and a
+        reservation's lease is at most `limits.max_reserve_lease_ms`. Raises InvalidArgument
+        (see plan_put) or CapacityExhausted — in which case nothing was reserved and nothing
+        else changed.
         """
         plan = self.plan_put(scope, raw_headers)
+        limits = self.config.limits
+        ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
         with self._lock:
             self.reap_leases()
             new = [i for i in plan.new if self._writable(plan.headers[i].key)]
+            slot_bytes = self.tiers.dram.slot_bytes_for(scope.page_payload_bytes) * len(new)
+            if client and new:
+                held = self._reserved_bytes.get(client, 0)
+                cap = self.config.reserved_bytes_per_client
+                if held + slot_bytes > cap:
+                    with self.counters.lock:
+                        self.counters.refused_full += 1
+                    raise CapacityExhausted(
+                        f"this client would hold {held + slot_bytes} bytes of DRAM reserved; "
+                        f"one client may hold {cap}: commit or release first, or put less at once",
+                        retry_after_s=self.tiers.retry_after_s,
+                    )
             granted: list[_Pending | None] = [None] * len(plan.headers)
             # every page of a put has its scope's page size: one batch allocation
             offsets = self.tiers.allocate_dram_many(scope.page_payload_bytes, len(new))
             for i, offset in zip(new, offsets, strict=True):
                 granted[i] = _Pending(plan.headers[i], bytes(raw_headers[i]), offset)
             keys = tuple(p.header.key for p in granted if p is not None)
-            lease = self.leases.grant(LeaseKind.RESERVE, keys, self._ttl_s(lease_ms))
+            lease = self.leases.grant(LeaseKind.RESERVE, keys, ttl_s)
+            if client and new:
+                self._reserved_bytes[client] = self._reserved_bytes.get(client, 0) + slot_bytes
+                self._pending_client[lease.lease_id] = (client, slot_bytes)
             self._pending[lease.lease_id] = granted
             self._pending_class[lease.lease_id] = io_class
             self._pending_holder[lease.lease_id] = holder
@@ -412,6 +435,7 @@ class Store:
             self.leases.release(lease_id)
             granted = self._pending.pop(lease_id, None)
             self._pending_holder.pop(lease_id, None)
+            self._unreserve(lease_id)
             reserved_class = self._pending_class.pop(lease_id, IoClass.NORMAL)
             io_class = io_class or reserved_class
             if granted is None:
@@ -811,6 +835,7 @@ class Store:
         are quarantined until its holder is done (kvstore/fence.py). Lock held."""
         if lease.kind is LeaseKind.RESERVE:
             self._pending_class.pop(lease.lease_id, None)
+            self._unreserve(lease.lease_id)
             holder = self._pending_holder.pop(lease.lease_id, DAEMON)
             held: list[int] = []
             for pending in self._pending.pop(lease.lease_id, []):
@@ -827,6 +852,18 @@ class Store:
             return
         for key in lease.keys:
             self._unpin(key)
+
+    def _unreserve(self, lease_id: int) -> None:
+        """A reservation ended: its bytes leave its client's share. Lock held."""
+        owner = self._pending_client.pop(lease_id, None)
+        if owner is None:
+            return
+        client, n_bytes = owner
+        left = self._reserved_bytes[client] - n_bytes
+        if left > 0:
+            self._reserved_bytes[client] = left
+        else:
+            del self._reserved_bytes[client]
 
     def _late_call(self, lease_id: int) -> bool:
         """The holder of an expired, quarantined reservation called on it: free its slots (its

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import Sequence
@@ -56,6 +57,24 @@ log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 5.0
 _TCP_BACKLOG = 128
+_META_STEP_BYTES = 1 << 20  # frame metadata over TCP is taken in steps of this, as it arrives
+
+
+async def _recv_meta(ep: Any, n_bytes: int) -> bytearray:
+    """A frame's `n_bytes` of metadata. Over TCP (a byte stream) memory is committed only as
+    the bytes arrive, a step at a time: a header that announces 72 MiB and sends nothing costs
+    one step, not 72 MiB. A UCX message is received whole (its size is the sender's)."""
+    if n_bytes <= _META_STEP_BYTES or not isinstance(ep, SocketEndpoint):
+        meta = bytearray(n_bytes)
+        if n_bytes:
+            await ep.recv(meta)
+        return meta
+    meta = bytearray()
+    while len(meta) < n_bytes:
+        part = bytearray(min(_META_STEP_BYTES, n_bytes - len(meta)))
+        await ep.recv(part)
+        meta += part
+    return meta
 
 
 class BulkServer:
@@ -76,9 +95,9 @@ class BulkServer:
         self._handlers: set[asyncio.Task[None]] = set()
         limits = store.config.limits
         self._max_meta = limits.max_message_bytes
-        self._reserve_ms = limits.max_lease_ttl_ms
+        self._reserve_ms = limits.max_reserve_lease_ms
         # a transfer must end well before its lease could run out under it
-        self._put_timeout_s = limits.max_lease_ttl_ms / 2000
+        self._put_timeout_s = limits.max_reserve_lease_ms / 2000
         self._get_timeout_s = limits.lease_ttl_ms / 2000
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -177,9 +196,7 @@ class BulkServer:
                 head = bytearray(PREAMBLE.size)
                 await ep.recv(head)
                 frame = parse_preamble(head, self._max_meta)
-                meta = bytearray(frame.meta_bytes)
-                if frame.meta_bytes:
-                    await ep.recv(meta)
+                meta = await _recv_meta(ep, frame.meta_bytes)
                 if frame.kind == KIND_GET:
                     await self._get(ep, meta, path)
                 elif frame.kind == KIND_PUT:
@@ -212,13 +229,14 @@ class BulkServer:
                 request = store_pb2.GetRequest.FromString(bytes(meta))
             except DecodeError:
                 raise InvalidArgument("malformed GetRequest") from None
+            limit = store.config.limits.max_keys_per_call
+            if len(request.keys) > limit * KEY_BYTES:  # refused before the keys are split
+                raise InvalidArgument(
+                    f"{len(request.keys) // KEY_BYTES} keys in one get; the limit is {limit}"
+                )
             keys = unpack_keys(request.keys)
             if len(request.scope_digest) != KEY_BYTES:
                 raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
-            if len(keys) > store.config.limits.max_keys_per_call:
-                raise InvalidArgument(
-                    f"{len(keys)} keys in one get; the limit is {store.config.limits.max_keys_per_call}"
-                )
             io = io_class_from_wire(request.io_class)
             acq = await asyncio.to_thread(store.acquire, request.scope_digest, keys, io)
         except StrataError as exc:
@@ -294,7 +312,11 @@ class BulkServer:
             scope = store.scope_of(begin.scope)
             io = io_class_from_wire(begin.io_class)
             tier = tier_from_wire(begin.tier)
-            res = await asyncio.to_thread(store.reserve, scope, headers, self._reserve_ms, io)
+            res = await asyncio.to_thread(
+                functools.partial(
+                    store.reserve, scope, headers, self._reserve_ms, io, client=f"{path}:{id(ep)}"
+                )
+            )
         except StrataError as exc:
             await self._send_error(ep, exc)
             return
