@@ -36,7 +36,7 @@ from engine.router.protocol import (
     ModelCard,
     ModelList,
 )
-from engine.router.service import Prepared, RouterService
+from engine.router.service import RouterService
 from engine.router.streaming import collect, sse_events, usage_of
 
 ERRORS: dict[int | str, dict[str, object]] = {
@@ -101,16 +101,13 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         body = error_body(RouterError(kind, str(exc.detail)))
         return JSONResponse(body, status_code=exc.status_code)
 
-    async def _run_or_error(prepared: Prepared) -> Run:
-        return await service.dispatcher.start(prepared.job)
-
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(
         body: CompletionRequest,
         x_strata_slo_class: Annotated[str | None, Header()] = None,
     ) -> Response:
         prepared = service.prepare(body, x_strata_slo_class)
-        run = await _run_or_error(prepared)
+        run = await service.dispatcher.start(prepared.job)
         model = prepared.job.model.model_id
         headers = _placement_headers(run)
         if body.stream:
@@ -147,7 +144,7 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         x_strata_slo_class: Annotated[str | None, Header()] = None,
     ) -> Response:
         prepared = service.prepare(body, x_strata_slo_class)
-        run = await _run_or_error(prepared)
+        run = await service.dispatcher.start(prepared.job)
         model = prepared.job.model.model_id
         headers = _placement_headers(run)
         if body.stream:
