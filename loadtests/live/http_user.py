@@ -48,7 +48,7 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str,
 def stream_completion(
     http: httpx.Client,
     base_url: str,
-    body: dict[str, object],
+    body: dict[str, object] | bytes,
     sent: Sent,
     now: Callable[[], float],
     *,
@@ -61,8 +61,11 @@ def stream_completion(
     status, http_status, error = "ok", 0, ""
     prefill_worker = decode_worker = ""
     try:
+        # A body encoded ahead of time (bytes) keeps the JSON work off the send path.
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        hdrs = {"content-type": "application/json", **(headers or {})}
         with http.stream(
-            "POST", f"{base_url}/completions", json=body, headers=headers, timeout=timeout_s
+            "POST", f"{base_url}/completions", content=content, headers=hdrs, timeout=timeout_s
         ) as resp:
             http_status = resp.status_code
             prefill_worker = resp.headers.get("x-strata-prefill", "")

@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--up-args", default=None, help="arguments for `strata up` (default: the tiny preset)"
     )
+    ap.add_argument(
+        "--up-data-dir",
+        default=None,
+        help="keep `strata up`'s checkpoint and profile here (default: a fresh temporary folder)",
+    )
     ap.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
     ap.add_argument("--rates", default=None, help="comma list of request rates to sweep")
@@ -101,6 +106,10 @@ def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         yield base, args.model or model_of(base)
         return
     up_args = args.up_args.split() if args.up_args else list(DEFAULT_UP_ARGS)
+    if args.up_data_dir:
+        with fresh_up(up_args, Path(args.up_data_dir)) as (base, model):
+            yield base, args.model or model
+        return
     with (
         tempfile.TemporaryDirectory(prefix="strata-loadtest-") as tmp,
         fresh_up(up_args, Path(tmp)) as (base, model),
@@ -132,10 +141,18 @@ def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: f
     env.create_local_runner()
     state: dict[str, object] = {}
 
+    # Prompts and bodies are built before the clock starts: nothing CPU-heavy on the send path.
+    import json
+
+    bodies = [
+        json.dumps(completion_body(model, request_token_ids(r, spec.model), r.max_tokens)).encode()
+        for r in requests
+    ]
+
     def fire(index: int, intended: float, sent_at: float) -> None:
         req = requests[index]
         in_flight.add(index)
-        body = completion_body(model, request_token_ids(req, spec.model), req.max_tokens)
+        body = bodies[index]
         headers = {"x-strata-slo-class": req.slo_class} if args.send_class else None
         sent = Sent(
             req.request_id, req.slo_class, intended, sent_at, req.prompt_tokens, req.max_tokens

@@ -97,9 +97,10 @@ def run_schedule(
         fn()
 
     kwargs = {"spawn": inline} if closed_loop else {}
-    # This machine is shared and noisy: a thread start can take tens of ms, so the open loop is
-    # judged as "lag stays bounded" (0.3 s) against the closed loop's lag that keeps growing.
-    loop = OpenLoop(times, fire, max_lag_s=0.3, **kwargs)
+    # This machine is shared and noisy (a thread start can take a while), so with a real server
+    # the open loop is judged as "lag stays bounded" against the closed loop's lag that keeps
+    # growing; the exact schedule is checked on a virtual clock below.
+    loop = OpenLoop(times, fire, max_lag_s=1.0, **kwargs)
     schedule = loop.run()
     deadline = time.monotonic() + 20
     while len(records) < schedule.sent and time.monotonic() < deadline:
@@ -112,10 +113,9 @@ def test_open_loop_keeps_its_schedule_against_a_slow_server(slow_server: str) ->
     times = [i * 0.05 for i in range(30)]  # 20/s for 1.5 s; each answer takes ≥ 0.38 s
     schedule, records = run_schedule(slow_server, times, closed_loop=False, refuse={4})
     assert schedule.sent == 30 and not schedule.behind
-    assert schedule.mean_lag_s < 0.1
     assert len(records) == 30
     for rec in records:
-        assert rec.sent_s - rec.intended_s < 0.3
+        assert rec.sent_s - rec.intended_s < 1.0
         if rec.request_id == "r4":
             assert rec.status == "refused" and rec.http_status == 429
             continue
@@ -130,10 +130,10 @@ def test_open_loop_keeps_its_schedule_against_a_slow_server(slow_server: str) ->
 
 
 def test_closed_loop_falls_behind_and_the_run_is_marked_invalid(slow_server: str) -> None:
-    times = [i * 0.05 for i in range(6)]
+    times = [i * 0.05 for i in range(8)]
     schedule, records = run_schedule(slow_server, times, closed_loop=True)
     assert schedule.behind
-    assert schedule.max_lag_s > 1.0  # the sixth request left ~5 x 0.38 s late
+    assert schedule.max_lag_s > 1.5  # the sixth request left ~5 x 0.38 s late
     # latencies count from the intended send time, so the lag shows in TTFT
     assert records[-1].ttft_s > records[-1].lag_s + FIRST_TOKEN_DELAY_S - 0.01
     run = RunResult("closed", "live", "w", 20.0, 0.3, (ClassTarget("c", 1.0, 0.1),), tuple(records))
@@ -167,3 +167,44 @@ def test_closed_loop_falls_behind_and_the_run_is_marked_invalid(slow_server: str
 def test_an_unsorted_schedule_is_refused() -> None:
     with pytest.raises(ValueError, match="sorted"):
         OpenLoop([1.0, 0.5], lambda i, t, s: None)
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_on_a_virtual_clock_the_open_loop_sends_exactly_on_schedule() -> None:
+    clock = VirtualClock()
+    times = [i * 0.05 for i in range(40)]
+    pending: list[object] = []  # a server that never answers: nothing ever completes
+    sent: list[tuple[int, float, float]] = []
+    loop = OpenLoop(
+        times,
+        lambda i, t, s: sent.append((i, t, s)),
+        spawn=pending.append,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    schedule = loop.run()
+    assert schedule.sent == 40 and schedule.max_lag_s < 1e-9 and not schedule.behind
+    assert len(pending) == 40  # every request left although none was answered
+
+
+def test_on_a_virtual_clock_a_closed_loop_lags_by_the_service_time() -> None:
+    clock = VirtualClock()
+    times = [i * 0.05 for i in range(10)]
+
+    def slow_fire(i: int, t: float, s: float) -> None:
+        clock.sleep(0.4)  # each answer takes 0.4 s and the next send waits for it
+
+    loop = OpenLoop(times, slow_fire, spawn=lambda fn: fn(), clock=clock, sleep=clock.sleep)
+    schedule = loop.run()
+    assert schedule.lags_s == pytest.approx([i * 0.35 for i in range(10)])
+    assert schedule.behind and schedule.max_lag_s == pytest.approx(3.15)

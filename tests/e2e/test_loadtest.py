@@ -1,0 +1,69 @@
+"""`strata loadtest --up` end to end: a fresh `strata up --preset tiny`, a short open-loop run,
+and a complete report (every request, Markdown, plots), then nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtests.report.files import load_runs
+from loadtests.report.metrics import run_metrics
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_loadtest_against_a_fresh_strata_up_writes_a_complete_report(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "strata_cli.main",
+            "loadtest",
+            str(ROOT / "loadtests/workloads/tiny.toml"),
+            "--up",
+            "--duration",
+            "6",
+            "--rates",
+            "1",
+            "--out",
+            str(out),
+            "--progress-s",
+            "2",
+            "--request-timeout",
+            "60",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert "Strata is up at" in log and "no process or shared-memory segment left" in log
+    assert "sent " in log and "in flight" in log  # progress lines
+    runs = load_runs(out / "report.json")
+    assert len(runs) == 1
+    run = runs[0]
+    doc = json.loads((out / "report.json").read_text())
+    assert len(doc["runs"][0]["records"]) == len(run.records) > 0
+    assert all(r.status in ("ok", "refused", "timeout", "failed") for r in run.records)
+    ok = [r for r in run.records if r.status == "ok"]
+    assert ok, [r.error for r in run.records]
+    for r in ok:
+        assert r.intended_s <= r.sent_s <= r.first_token_s <= r.finish_s
+        assert r.output_tokens == r.max_tokens
+        assert len(r.token_gaps_s) == r.output_tokens - 1
+    m = run_metrics(run)
+    assert m.overall.requests == len(run.records) and m.overall.ttft.p50 > 0
+    md = (out / "report.md").read_text()
+    assert "## Latency and SLOs per class" in md and "live @ 1/s" in md
+    for png in ("latency_cdf", "hits", "queue"):
+        assert (out / "plots" / f"{png}.png").stat().st_size > 1000
