@@ -1,7 +1,7 @@
 """`strata up`: the whole serving system on this machine, with one command.
 
 strata up [--preset small|tiny | --model PATH] [--prefill N] [--decode M] [--colocated]
-          [--port 8000] [--data-dir DIR] [--profile PATH]
+          [--port 8000] [--data-dir DIR] [--profile PATH] [--router-config TOML]
 
 Starts, as child processes on loopback: a store daemon (`strata serve`), N prefill and M decode
 workers (or M co-located ones with --colocated) and the router (`strata router`). On first run
@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="the router's HTTP port (default 8000)")
     p.add_argument("--data-dir", type=Path, help="state folder (default: the per-user cache)")
     p.add_argument("--profile", type=Path, help="a time model to use instead of profiling")
+    p.add_argument(
+        "--router-config",
+        type=Path,
+        help="a router TOML file (SLO classes, policy); its workers and store are replaced",
+    )
     p.add_argument("--max-context", type=int, default=4096, help="context limit (default 4096)")
     p.add_argument("--dram", default="1GiB", help="the store's DRAM budget (default 1GiB)")
     p.add_argument("--ssd", default="4GiB", help="the store's SSD budget (default 4GiB; 0: none)")
@@ -291,6 +296,7 @@ class Up:
                 store,
                 "--profile",
                 str(profile),
+                *(["--config", str(ns.router_config)] if ns.router_config else []),
                 "--log-level",
                 "WARNING",
             ),

@@ -51,8 +51,13 @@ def test_up_serves_and_stops_clean(data_dir: Path, colocated: bool) -> None:
     tmp_path = data_dir
     args = [sys.executable, "-m", "strata_cli.main", "up", "--preset", "tiny", "--port", "0"]
     args += ["--data-dir", str(tmp_path), "--max-context", "1024", "--ssd", "0"]
-    if colocated:
-        args.append("--colocated")
+    if colocated:  # and SLO classes from a router config file
+        config = tmp_path / "router.toml"
+        config.write_text(
+            '[admission]\ndefault_class = "std"\n[[admission.classes]]\nname = "std"\n'
+            '[[admission.classes]]\nname = "impossible"\nttft_s = 0.000001\n'
+        )
+        args += ["--colocated", "--router-config", str(config)]
     proc = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -92,6 +97,13 @@ def test_up_serves_and_stops_clean(data_dir: Path, colocated: bool) -> None:
         assert reply.json()["usage"]["completion_tokens"] == 4
         same = reply.headers["x-strata-prefill"] == reply.headers["x-strata-decode"]
         assert same == colocated
+        if colocated:
+            refused = httpx.post(
+                f"{base}/completions",
+                json={"model": model, "prompt": "x", "slo_class": "impossible"},
+                timeout=60,
+            )
+            assert refused.status_code == 429 and refused.headers["retry-after"]
         children = _children(proc.pid)
         assert len(children) == (3 if colocated else 4)  # store, workers, router
         store_log = (tmp_path / "up" / "logs" / "store.log").read_text()
