@@ -23,6 +23,7 @@ from engine.router.core import (
     DispatchLedger,
     Placement,
     PrefillCoeffs,
+    PrefixHit,
     Refusal,
     RefusalReason,
     RequestView,
@@ -97,11 +98,7 @@ class FakeCluster:
                     "m",
                     PAGE,
                     queued_prefill_tokens=sum(
-                        round(
-                            j.request.prompt_tokens
-                            * j.work_left
-                            / MODEL.prefill_s(j.request.prompt_tokens, 0)
-                        )
+                        round(_to_compute(j) * j.work_left / _work(j.request, j.placement))
                         for j in q
                     ),
                     queued_requests=len(q),
@@ -160,6 +157,16 @@ class FakeCluster:
         return any(self.prefill.values()) or any(self.decode.values())
 
 
+def _to_compute(job: Job) -> int:
+    return job.request.prompt_tokens - job.placement.hit_tokens_used
+
+
+def _work(request: RequestView, placement: Placement) -> float:
+    """The true prefill time: compute what the placement does not pull (pulls are free here)."""
+    hit = placement.hit_tokens_used
+    return MODEL.prefill_s(request.prompt_tokens - hit, hit)
+
+
 def _aged(view: WorkerView, age: float) -> WorkerView:
     from dataclasses import replace
 
@@ -186,8 +193,7 @@ def run(
             if isinstance(decision, Refusal):
                 out.refused.append((req, decision))
                 continue
-            work = MODEL.prefill_s(req.prompt_tokens, 0)
-            job = Job(req, decision, now, work)
+            job = Job(req, decision, now, _work(req, decision))
             out.admitted.append(job)
             cluster.dispatch(job)
         cluster.tick(now, core)
@@ -197,8 +203,13 @@ def run(
     raise AssertionError("the fake cluster did not drain within its horizon")
 
 
-def req(rid: str, prompt: int = 1000, max_tokens: int = 10, slo: str = "") -> RequestView:
-    return RequestView(rid, prompt, max_tokens, slo_class=slo, page_tokens=PAGE, page_bytes=1024)
+def req(
+    rid: str, prompt: int = 1000, max_tokens: int = 10, slo: str = "", hit_pages: int = 0
+) -> RequestView:
+    prefix = PrefixHit.uniform(hit_pages, "dram", "p0:1") if hit_pages else PrefixHit.none()
+    return RequestView(
+        rid, prompt, max_tokens, slo_class=slo, prefix=prefix, page_tokens=PAGE, page_bytes=1024
+    )
 
 
 INTERACTIVE = SloClass("interactive", ttft_s=0.5, tpot_s=0.05)
@@ -323,6 +334,28 @@ def test_one_class_alone_below_capacity_is_never_refused_by_its_share() -> None:
     assert out.refused == []
 
 
+def test_low_hit_requests_keep_their_part_of_a_class_share() -> None:
+    chat = SloClass("chat", ttft_s=0.5, tpot_s=1.0)
+    # a flood of cheap high-hit requests (896 of 1000 tokens cached: 10 ms of prefill each) at
+    # twice the pool's capacity, and a few low-hit ones (4000 tokens, none cached: 205 ms)
+    arrivals = [(i / 400, req(f"h{i}", slo="chat", hit_pages=56)) for i in range(1200)]
+    arrivals += [(0.05 + i * 0.5, req(f"l{i}", prompt=4000, slo="chat")) for i in range(6)]
+    admitted = {}
+    for low_hit_share in (0.0, 0.3):
+        config = AdmissionConfig(classes=(chat,), default_class="chat", low_hit_share=low_hit_share)
+        core = core_for(config)
+        cluster = FakeCluster(n_prefill=2, n_decode=1, report_every_s=0.02)
+        out = run(core, cluster, arrivals)
+        admitted[low_hit_share] = Counter(j.request.request_id[0] for j in out.admitted)
+        assert out.attainment(chat) == 1.0
+        if low_hit_share:
+            assert core.admission.group_of(req("x", slo="chat")) == "chat/low_hit"
+            assert any(r.reason is RefusalReason.class_share for _, r in out.refused)
+    assert admitted[0.0]["l"] <= 2  # without the split, the flood keeps the queues too full
+    assert admitted[0.3]["l"] >= 5  # with it, the low-hit requests get their part
+    assert admitted[0.3]["h"] > 400  # and the flood still fills the rest
+
+
 def test_config_from_mapping() -> None:
     config = AdmissionConfig.from_mapping(
         {
@@ -348,6 +381,8 @@ def test_config_from_mapping() -> None:
         ({"classes": [{"ttft_s": 1}]}, "name"),
         ({"classes": "a"}, "list"),
         ({"speed": 1}, "unknown keys"),
+        ({"low_hit_share": 1.0}, "low_hit_share"),
+        ({"low_hit_ratio": 0}, "low_hit_ratio"),
     ):
         with pytest.raises(ValueError, match=message):
             AdmissionConfig.from_mapping(bad)

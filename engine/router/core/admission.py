@@ -12,13 +12,19 @@ A request is refused (never queued at the router) when
 - its class is past its share of the prefill capacity while another class that is within its
   share (or of higher priority) is active (`class_share`).
 
+With `low_hit_share` set, each class's share is split in two share groups: its low-hit requests
+(under `low_hit_ratio` of the prompt found in the store) are guaranteed that part of it, so a
+flood of cheap, high-hit requests cannot keep the queues too full for requests that must compute
+most of their prompt (and the other way round). Groups are judged by the same rule as classes.
+
 Shares: each class is guaranteed `share / sum(shares)` of the prefill pool's capacity (one second
 of prefill work per second per prefill worker), measured as its admitted work over the last
 `share_window_s` (an exponentially decaying sum). A class within its share is judged only on its
 SLO. A class past its share may borrow idle capacity, but must leave headroom for every other
 class that has asked for service within the window and is within its own share (or has a higher
-priority): it is admitted only while its predicted TTFT stays under `ttft_s * (1 - share
-fraction)` of each such class. So a flood of one class keeps the queues short enough for the
+priority): it is admitted only while its predicted TTFT stays under the headroom of each such
+class, `min(ttft_s * (1 - share fraction), ttft_s - its largest recent request's work)` (room
+for its share of the queue, and for its requests to fit behind it). So a flood of one class keeps the queues short enough for the
 others to meet their targets, and with nobody else active the flood may use everything: below
 capacity nothing is refused.
 
@@ -44,6 +50,28 @@ from engine.router.core.types import (
 )
 
 MIN_RETRY_S = 0.05  # the smallest retry hint: a refusal always says "later", never "now"
+HEADROOM_MARGIN = 0.1  # a protected group's largest request is given this much more room
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """A share group: a class, or the low-hit or other requests of a class."""
+
+    slo: SloClass
+    fraction: float  # of the prefill pool's capacity
+
+
+def _groups(config: AdmissionConfig) -> dict[str, _Group]:
+    out: dict[str, _Group] = {}
+    low = config.low_hit_share
+    for slo in config.classes:
+        fraction = config.share_fraction(slo.name)
+        if low <= 0:
+            out[slo.name] = _Group(slo, fraction)
+        else:
+            out[f"{slo.name}/low_hit"] = _Group(slo, fraction * low)
+            out[f"{slo.name}/hit"] = _Group(slo, fraction * (1.0 - low))
+    return out
 
 
 @dataclass(slots=True)
@@ -63,6 +91,21 @@ class _Rate:
         self.at_s = max(now, self.at_s)
 
 
+@dataclass(slots=True)
+class _Peak:
+    """The largest value seen within the last window (forgotten a window after it was seen)."""
+
+    value: float = 0.0
+    at_s: float = -math.inf
+
+    def seen(self, now: float, window_s: float) -> float:
+        return self.value if now - self.at_s <= window_s else 0.0
+
+    def add(self, value: float, now: float, window_s: float) -> None:
+        if value >= self.seen(now, window_s):
+            self.value, self.at_s = value, now
+
+
 class Admission:
     def __init__(
         self, config: AdmissionConfig | None = None, *, model: TimeModel | None = None
@@ -70,7 +113,9 @@ class Admission:
         """`model` is needed for mode "current" (it re-prices TPOT) and for TPOT retry hints."""
         self.config = config if config is not None else AdmissionConfig()
         self.model = model
-        self._rates: dict[str, _Rate] = {c.name: _Rate() for c in self.config.classes}
+        self._groups = _groups(self.config)
+        self._rates: dict[str, _Rate] = {key: _Rate() for key in self._groups}
+        self._largest: dict[str, _Peak] = {key: _Peak() for key in self._groups}
         self._last_asked: dict[str, float] = {}
         self._inflight: dict[str, str] = {}  # request id -> class name
         self._started_s: float | None = None
@@ -88,19 +133,34 @@ class Admission:
             raise UnknownSloClass(name, tuple(c.name for c in self.config.classes))
         return slo
 
-    def work_rate(self, name: str, now: float) -> float:
-        """The class's admitted prefill work per second over the share window.
+    def group_of(self, request: RequestView) -> str:
+        """The share group of a request: its class, or with `low_hit_share` its class and
+        whether it is low-hit ("<class>/low_hit") or not ("<class>/hit")."""
+        slo = self.resolve(request.slo_class)
+        if self.config.low_hit_share <= 0:
+            return slo.name
+        hit = request.prefix.hit_pages * request.page_tokens / request.prompt_tokens
+        return f"{slo.name}/low_hit" if hit < self.config.low_hit_ratio else f"{slo.name}/hit"
+
+    def work_rate(self, group: str, now: float) -> float:
+        """A share group's (or a class's, all its groups) admitted prefill work per second over
+        the share window.
 
         The decaying sum is divided by the window's effective length so far (bias-corrected:
         `window * (1 - exp(-elapsed / window))`, elapsed counted from the first admission call,
         at least a tenth of the window), so a flood shows its real rate from its first moments
         rather than after a whole window has passed."""
-        rate = self._rates.get(name)
-        if rate is None or self._started_s is None:
+        if self._started_s is None:
             return 0.0
+        keys = (
+            [group]
+            if group in self._rates
+            else [k for k, g in self._groups.items() if g.slo.name == group]
+        )
         window = self.config.share_window_s
         elapsed = max(now - self._started_s, window / 10.0)
-        return rate.decayed(now, window) / (window * -math.expm1(-elapsed / window))
+        total = sum(self._rates[k].decayed(now, window) for k in keys)
+        return total / (window * -math.expm1(-elapsed / window))
 
     def admit(
         self,
@@ -114,10 +174,12 @@ class Admission:
         """`placement` if the request may run now, else a Refusal (see module doc). Records that
         the class asked (for the share rule) and counts refusals; admission counts on dispatch."""
         slo = self.resolve(request.slo_class)
-        self._last_asked[slo.name] = now
+        group = self.group_of(request)
+        self._last_asked[group] = now
+        self._largest[group].add(placement.prefill_work_s, now, self.config.share_window_s)
         if self._started_s is None:
             self._started_s = now
-        limit, protected = self._ttft_limit(slo, placement, workers, now)
+        limit, protected = self._ttft_limit(group, placement, workers, now)
         ttft = placement.predicted_ttft_s
         if ttft > limit:
             if ttft > slo.ttft_s:
@@ -126,7 +188,7 @@ class Admission:
             else:
                 reason = RefusalReason.class_share
                 detail = (
-                    f"class {slo.name} is past its share; predicted TTFT {ttft:.3f}s would eat "
+                    f"{group} is past its share; predicted TTFT {ttft:.3f}s would eat "
                     f"the headroom of {protected} (limit {limit:.3f}s)"
                 )
             return self._refuse(slo, reason, max(ttft - limit, MIN_RETRY_S), detail, placement)
@@ -143,7 +205,8 @@ class Admission:
     def on_dispatch(self, request: RequestView, placement: Placement, now: float) -> None:
         """The request was admitted and sent: its prefill work counts toward its class's share."""
         slo = self.resolve(request.slo_class)
-        self._rates[slo.name].add(placement.prefill_work_s, now, self.config.share_window_s)
+        group = self.group_of(request)
+        self._rates[group].add(placement.prefill_work_s, now, self.config.share_window_s)
         self._inflight[request.request_id] = slo.name
         self.admitted[slo.name] += 1
 
@@ -158,27 +221,31 @@ class Admission:
         return sum(1 for c in self._inflight.values() if c == name)
 
     def _ttft_limit(
-        self, slo: SloClass, placement: Placement, workers: Sequence[WorkerView], now: float
+        self, group: str, placement: Placement, workers: Sequence[WorkerView], now: float
     ) -> tuple[float, str]:
-        """The TTFT this request must stay under, and the class whose headroom set it ("")."""
+        """The TTFT this request must stay under, and the group whose headroom set it ("")."""
         window = self.config.share_window_s
         capacity = max(sum(1 for w in workers if w.healthy and w.does_prefill), 1)
-        rate = self.work_rate(slo.name, now) + placement.prefill_work_s / window
-        if rate <= self.config.share_fraction(slo.name) * capacity:
-            return slo.ttft_s, ""
-        limit, who = slo.ttft_s, ""
-        for other in self.config.classes:
-            if other.name == slo.name or math.isinf(other.ttft_s):
+        mine = self._groups[group]
+        rate = self.work_rate(group, now) + placement.prefill_work_s / window
+        if rate <= mine.fraction * capacity:
+            return mine.slo.ttft_s, ""
+        limit, who = mine.slo.ttft_s, ""
+        for key, other in self._groups.items():
+            if key == group or math.isinf(other.slo.ttft_s):
                 continue
-            asked = self._last_asked.get(other.name)
+            asked = self._last_asked.get(key)
             if asked is None or now - asked > window:
                 continue
-            fraction = self.config.share_fraction(other.name)
-            within = self.work_rate(other.name, now) <= fraction * capacity
-            if within or other.priority > slo.priority:
-                headroom = other.ttft_s * (1.0 - fraction)
+            within = self.work_rate(key, now) <= other.fraction * capacity
+            if within or other.slo.priority > mine.slo.priority:
+                # room for its share of the queue, and for its largest recent request
+                largest = self._largest[key].seen(now, window) * (1.0 + HEADROOM_MARGIN)
+                headroom = min(
+                    other.slo.ttft_s * (1.0 - other.fraction), other.slo.ttft_s - largest
+                )
                 if headroom < limit:
-                    limit, who = headroom, other.name
+                    limit, who = max(headroom, 0.0), key
         return limit, who
 
     def _decode_view(

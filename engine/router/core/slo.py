@@ -6,6 +6,8 @@ The file format (TOML shown; JSON with the same keys works too):
     default_class = "standard"     # used when a request names no class
     mode = "predicted"             # or "current" (the baseline: decode load as reported now)
     share_window_s = 5.0           # how far back a class's admitted work rate looks
+    low_hit_share = 0.3            # part of each class's share kept for low-hit requests (0: off)
+    low_hit_ratio = 0.5            # low-hit: under this fraction of the prompt found in the store
 
     [[admission.classes]]
     name = "interactive"
@@ -72,6 +74,13 @@ def _seconds(value: object) -> float:
     return float(value)
 
 
+def _number(data: Mapping[str, object], key: str, default: float) -> float:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"admission.{key} must be a number, got {value!r}")
+    return float(value)
+
+
 DEFAULT_CLASS = SloClass("default")
 
 
@@ -81,6 +90,8 @@ class AdmissionConfig:
     default_class: str = "default"
     mode: str = "predicted"
     share_window_s: float = 5.0
+    low_hit_share: float = 0.0  # part of each class's share kept for low-hit requests (0 = off)
+    low_hit_ratio: float = 0.5  # a request is low-hit below this fraction of prompt tokens hit
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
@@ -94,6 +105,10 @@ class AdmissionConfig:
             raise ValueError(f"admission mode must be one of {MODES}, got {self.mode!r}")
         if not self.share_window_s > 0:
             raise ValueError(f"share_window_s must be > 0, got {self.share_window_s}")
+        if not 0.0 <= self.low_hit_share < 1.0:
+            raise ValueError(f"low_hit_share must be in [0, 1), got {self.low_hit_share}")
+        if not 0.0 < self.low_hit_ratio <= 1.0:
+            raise ValueError(f"low_hit_ratio must be in (0, 1], got {self.low_hit_ratio}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, object]) -> AdmissionConfig:
@@ -106,14 +121,13 @@ class AdmissionConfig:
             raise ValueError("admission.classes must be a list of tables")
         classes = tuple(SloClass.from_mapping(c) for c in raw) or (DEFAULT_CLASS,)
         default = data.get("default_class", classes[0].name)
-        window = data.get("share_window_s", 5.0)
-        if isinstance(window, bool) or not isinstance(window, (int, float)):
-            raise ValueError(f"admission.share_window_s must be a number, got {window!r}")
         return cls(
             classes=classes,
             default_class=str(default),
             mode=str(data.get("mode", "predicted")),
-            share_window_s=float(window),
+            share_window_s=_number(data, "share_window_s", 5.0),
+            low_hit_share=_number(data, "low_hit_share", 0.0),
+            low_hit_ratio=_number(data, "low_hit_ratio", 0.5),
         )
 
     def by_name(self, name: str) -> SloClass | None:
