@@ -350,3 +350,27 @@ def test_router_reports_a_taken_port_and_a_missing_profile(tmp_path: Path) -> No
         timeout=60,
     )
     assert done.returncode == 2 and "--profile" in done.stderr
+
+
+def test_seed_temperature_and_stop_reach_the_workers(stack: Stack) -> None:
+    prompt = prompt_ids(stack, 30, seed=9)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+
+    def run(**kw: object) -> openai.types.Completion:
+        return stack.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, extra_body=extra, **kw
+        )
+
+    a = run(temperature=1.5, top_p=0.9, seed=7)
+    b = run(temperature=1.5, top_p=0.9, seed=7)
+    c = run(temperature=1.5, top_p=0.9, seed=8)
+    ids = [r.choices[0].model_extra["token_ids"] for r in (a, b, c)]  # type: ignore[index]
+    assert ids[0] == ids[1]  # seeded draws are the same on every run (and worker)
+    assert ids[0] != ids[2]
+    assert ids[0] != stack.reference(prompt, 12)  # temperature did change the draw
+    greedy = run()
+    text = greedy.choices[0].text
+    cut = next(i for i in range(3, len(text)) if text[i].isalnum())
+    stopped = run(stop=[text[cut : cut + 2]])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert text.startswith(stopped.choices[0].text) and len(stopped.choices[0].text) <= cut
