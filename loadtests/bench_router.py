@@ -6,8 +6,10 @@ A store daemon, `--prefill` prefill and `--decode` decode workers on the `small`
 
 1. decisions per second of the `strata` policy alone for 16 synthetic workers (the pure core,
    no I/O; `loadtests.router_decisions`), and of a whole `RouterCore.decide`;
-2. a time model measured on the running workers (`loadtests.router_calibrate`; or `--profile`),
-   which the router is restarted with;
+2. a time model, which the router is restarted with: `strata profile`'s (reused from the cache
+   folder when this machine and checkpoint already have one, as `strata up` does), or one
+   measured on the running workers' own timings (`--profile-source workers`,
+   `loadtests.router_calibrate`), or `--profile PATH`;
 3. the router's added latency: the same request (token ids, greedy, `--latency-tokens` output
    tokens, its prefix already in the store) through the router's HTTP API and straight to the
    workers' gRPC services (Prefill, then Decode), alternating, `--reps` times each. Non-streamed:
@@ -40,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+import grpc.aio
 import httpx
 
 from engine.router.core.fit import fit_quality
@@ -81,6 +84,8 @@ class Options:
     decision_workers: int = 16
     decision_seconds: float = 2.0
     profile: Path | None = None
+    drop_after_s: float = 3.0  # see --drop-after
+    profile_source: str = "strata"  # strata (strata profile) | workers (router_calibrate)
     model: Path | None = None
     json_path: Path | None = None
 
@@ -134,7 +139,16 @@ def _ids(length: int, vocab: int, seed: int) -> list[int]:
 def measure_added_latency(
     cluster: RouterCluster, model: str, vocab: int, *, reps: int, prompt_tokens: int, tokens: int
 ) -> dict[str, object]:
-    """p50s of the same request through the router and direct, non-streamed and streamed."""
+    """p50s of the same request through the router and direct, non-streamed and streamed.
+
+    Both sides use the same client stack the router itself uses toward the workers (asyncio:
+    httpx to the router, grpc.aio to the workers), one request at a time, alternating."""
+    return asyncio.run(_added_latency(cluster, model, vocab, reps, prompt_tokens, tokens))
+
+
+async def _added_latency(
+    cluster: RouterCluster, model: str, vocab: int, reps: int, prompt_tokens: int, tokens: int
+) -> dict[str, object]:
     ids = _ids(prompt_tokens, vocab, seed=5)
     body = {"model": model, "prompt": ids, "max_tokens": tokens, "ignore_eos": True}
     url = f"{cluster.base_url}/v1/completions"
@@ -143,54 +157,64 @@ def measure_added_latency(
     times: dict[str, list[float]] = {
         k: [] for k in ("router", "direct", "router_ttft", "direct_ttft")
     }
-    with (
-        httpx.Client(timeout=120) as http,
-        grpc.insecure_channel(prefill.address) as pch,
-        grpc.insecure_channel(decode.address) as dch,
+    async with (
+        httpx.AsyncClient(timeout=120) as http,
+        grpc.aio.insecure_channel(prefill.address) as pch,
+        grpc.aio.insecure_channel(decode.address) as dch,
     ):
         pstub, dstub = PrefillStub(pch), DecodeStub(dch)
 
-        def router_full() -> float:
+        async def router_full() -> float:
             t0 = time.perf_counter()
-            r = http.post(url, json=body)
+            r = await http.post(url, json=body)
             r.raise_for_status()
             got = r.json()["usage"]["completion_tokens"]
             if got != tokens:
                 raise RuntimeError(f"router produced {got} tokens, asked {tokens}")
             return time.perf_counter() - t0
 
-        def router_ttft() -> float:
+        async def router_ttft() -> float:
             t0 = time.perf_counter()
-            with http.stream("POST", url, json={**body, "stream": True}) as r:
+            first = 0.0
+            async with http.stream("POST", url, json={**body, "stream": True}) as r:
                 r.raise_for_status()
-                first = 0.0
-                for line in r.iter_lines():
+                async for line in r.aiter_lines():
                     if not first and line.startswith("data: {"):
                         first = time.perf_counter() - t0
             return first
 
-        def direct(full: bool) -> float:
+        async def direct(full: bool) -> float:
             t0 = time.perf_counter()
-            reply = pstub.Prefill(pb.PrefillRequest(token_ids=ids, sampling=sampling), timeout=120)
+            reply = await pstub.Prefill(
+                pb.PrefillRequest(token_ids=ids, sampling=sampling), timeout=120
+            )
             if not full:
                 return time.perf_counter() - t0
             req = pb.DecodeRequest(prompt_token_ids=ids, output_token_ids=[reply.first_token],
                                    sampling=sampling)  # fmt: skip
-            n = 1 + sum(1 for e in dstub.Decode(req, timeout=120) if e.HasField("token_id"))
+            n = 1
+            async for event in dstub.Decode(req, timeout=120):
+                n += event.HasField("token_id")
             if n != tokens:
                 raise RuntimeError(f"direct produced {n} tokens, asked {tokens}")
             return time.perf_counter() - t0
 
+        async def direct_full() -> float:
+            return await direct(True)
+
+        async def direct_ttft() -> float:
+            return await direct(False)
+
         for _ in range(2):  # warm: the prompt's pages in the store, connections open
-            router_full()
-            direct(True)
+            await router_full()
+            await direct(True)
         for i in range(reps):
-            pairs = [("router", router_full), ("direct", lambda: direct(True)),
-                     ("router_ttft", router_ttft), ("direct_ttft", lambda: direct(False))]  # fmt: skip
+            pairs = [("router", router_full), ("direct", direct_full),
+                     ("router_ttft", router_ttft), ("direct_ttft", direct_ttft)]  # fmt: skip
             if i % 2:
                 pairs = [pairs[1], pairs[0], pairs[3], pairs[2]]
             for name, fn in pairs:
-                times[name].append(fn())
+                times[name].append(await fn())
     d = {k: Dist.of(v) for k, v in times.items()}
     return {
         "prompt_tokens": prompt_tokens,
@@ -308,7 +332,7 @@ def run(opts: Options, workdir: Path) -> dict[str, object]:
     )
     spec = ClusterSpec(
         preset=opts.preset, prefill=opts.prefill, decode=opts.decode, model=opts.model,
-        profile=opts.profile, router_config=ADMISSION,
+        profile=opts.profile, router_config=ADMISSION, drop_after_s=opts.drop_after_s,
     )  # fmt: skip
     progress(
         f"starting store, {opts.prefill} prefill + {opts.decode} decode ({opts.preset}), router"
@@ -316,7 +340,20 @@ def run(opts: Options, workdir: Path) -> dict[str, object]:
     with RouterCluster(spec, workdir) as cluster:
         desc = _describe(cluster.by_role("prefill")[0].address)
         model, vocab = desc.model_id, desc.vocab_size
-        if opts.profile is None:
+        if opts.profile is None and opts.profile_source == "strata":
+            from engine.profile import load_or_profile
+
+            progress("time model: strata profile (reused when this machine has one)")
+            assert cluster.store is not None
+            # A fresh measurement each run (a file in the work folder, not the cache), so the
+            # model matches the machine as it is now, load included.
+            tm = load_or_profile(
+                cluster.model_path, store=cluster.store.address, progress=progress,
+                path=cluster.workdir / "strata-profile.json",
+            )  # fmt: skip
+            tm.save(cluster.profile_path)
+            profile_source = f"strata profile (quick grid): {tm.provenance.note}"
+        elif opts.profile is None:
             progress("measuring a time model on the workers")
             tm = calibrate(
                 cluster.by_role("prefill")[0].address, cluster.by_role("decode")[0].address,
@@ -355,6 +392,7 @@ def run(opts: Options, workdir: Path) -> dict[str, object]:
             "decode": opts.decode,
             "reps": opts.reps,
             "max_tokens": opts.max_tokens,
+            "drop_after_s": opts.drop_after_s,
         },
         "profile": {
             "source": profile_source,
@@ -497,6 +535,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decision-workers", type=int, default=16)
     p.add_argument("--decision-seconds", type=float, default=2.0)
     p.add_argument("--profile", type=Path, help="time model JSON (default: measure one)")
+    p.add_argument(
+        "--profile-source",
+        choices=("strata", "workers"),
+        default="strata",
+        help="without --profile: strata profile, as strata up does (default), or timings of the "
+        "running workers over gRPC",
+    )
+    p.add_argument(
+        "--drop-after",
+        type=float,
+        default=3.0,
+        dest="drop_after_s",
+        help="the router's silent-worker limit (default 3 s here, 1 s in strata up: on a "
+        "loaded 2-core machine a busy worker's load report can be late by a second)",
+    )
     p.add_argument("--json", type=Path, dest="json_path")
     p.add_argument("--drills", action="store_true",
                    help="run the operator drills instead (see strata drill --help)")  # fmt: skip
@@ -516,7 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         duration_s=ns.duration_s, max_tokens=ns.max_tokens,
         policies=tuple(p for p in ns.policies.split(",") if p), workload=ns.workload,
         decision_workers=ns.decision_workers, decision_seconds=ns.decision_seconds,
-        profile=ns.profile, model=ns.model, json_path=ns.json_path,
+        profile=ns.profile, profile_source=ns.profile_source, model=ns.model,
+        drop_after_s=ns.drop_after_s,
+        json_path=ns.json_path,
     )  # fmt: skip
     if opts.prefill < 1 or opts.decode < 1 or opts.reps < 1:
         print("strata bench router: --prefill, --decode and --reps must be >= 1", file=sys.stderr)

@@ -30,7 +30,7 @@ def test_bench_router_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     out = tmp_path / "bench.json"
     argv = [
         "--preset", "tiny", "--prefill", "1", "--decode", "1", "--reps", "3",
-        "--duration", "2", "--rate", "2", "--decision-seconds", "0.2", "--json", str(out),
+        "--duration", "2", "--rate", "2", "--decision-seconds", "0.2", "--profile-source", "workers", "--json", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
