@@ -197,7 +197,8 @@ def load_cluster(path: str | Path) -> ClusterSpec:
     tm = raw.get("time_model")
     if not isinstance(tm, str) or not tm:
         raise ClusterError(f"{p}: time_model (a profile or fit JSON path) is required")
-    tm_path = tm if Path(tm).is_absolute() else str((p.parent / tm).resolve())
+    tm_expanded = Path(tm).expanduser()
+    tm_path = str(tm_expanded if tm_expanded.is_absolute() else (p.parent / tm).resolve())
     spec = ClusterSpec(
         name=str(raw.get("name", p.stem)),
         time_model=tm_path,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,8 +195,11 @@ def test_too_long_for_the_pool_fails_cleanly() -> None:
 def test_example_clusters_load(tmp_path: Path) -> None:
     for f in sorted((ROOT / "loadtests" / "clusters").glob("*.toml")):
         spec = load_cluster(f)
-        assert 1 <= spec.engines <= 64 and Path(spec.time_model).exists(), f
-        TimeModel.load(spec.time_model)
+        assert 1 <= spec.engines <= 64, f
+        if spec.time_model.startswith(
+            str(ROOT)
+        ):  # shipped fits (a local profile may not exist yet)
+            TimeModel.load(spec.time_model)
     bad = tmp_path / "bad.toml"
     bad.write_text('time_model = "x.json"\ncolocated = 65\n')
     with pytest.raises(ClusterError, match="64"):
@@ -215,3 +220,30 @@ def test_mooncake_trace_runs_on_the_example_cluster() -> None:
     m = run_metrics(run).overall
     assert m.requests == len(reqs) and m.ok == len(reqs)
     assert not math.isnan(m.ttft.p50)
+
+
+def test_simulator_loads_no_torch_grpc_http_stack_or_locust() -> None:
+    code = (
+        "import sys, loadtests.sim.cli, loadtests.plan, loadtests.report.compare\n"
+        "bad = [m for m in ('torch', 'triton', 'grpc', 'fastapi', 'uvicorn', 'starlette', 'pydantic',"
+        " 'locust', 'gevent', 'kvstore') if m in sys.modules]\n"
+        "eng = [m for m in sys.modules if m.startswith('engine.') and not m.startswith('engine.router.core')"
+        " and m != 'engine.router']\n"
+        "print(bad, eng)\n"
+        "sys.exit(1 if bad or eng else 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_with_no_sharing_prefix_aware_placement_performs_like_least_load() -> None:
+    spec = workload("chat", rate=40.0, duration=12.0)
+    c = cluster(colocated=4, store="global", dram_bytes=1 << 30)
+    reqs = generate_requests(spec)
+    ll = run_metrics(simulate(c, spec, model(), reqs, policy="least_load")).overall
+    st = run_metrics(simulate(c, spec, model(), reqs, policy="strata")).overall
+    assert st.hit_ratio == ll.hit_ratio == 0.0
+    assert st.ttft.mean == pytest.approx(ll.ttft.mean, rel=0.05)
+    assert st.e2e.mean == pytest.approx(ll.e2e.mean, rel=0.05)
