@@ -3,7 +3,7 @@
 Workers come from a static list (flags or the config file) and, with etcd, from the leased keys
 workers register under (`engine.router.membership`). One asyncio task polls every worker's
 unary `Load` every `poll_s` (in parallel, each call with a deadline); the first successful
-contact also calls `Describe`, and the first worker of each model sends its tokenizer files,
+contact also calls `Describe`, and the first worker of each model sends its tokenizer files too,
 from which the router builds the model's `ModelText` and `Scope`. A worker whose last report is
 older than `drop_after_s` — it went silent, died, or its host is unreachable — is left out of
 every decision until it answers again, so a dead worker is dropped within
@@ -200,9 +200,12 @@ class Registry:
         stub = h.worker_stub()
         try:
             if h.description is None:
-                described = await stub.Describe(
-                    pb.DescribeRequest(include_tokenizer=True), timeout=max(5.0, self.rpc_timeout_s)
-                )
+                timeout = max(5.0, self.rpc_timeout_s)
+                described = await stub.Describe(pb.DescribeRequest(), timeout=timeout)
+                if described.model_id not in self.models:  # the first of its model: its tokenizer
+                    described = await stub.Describe(
+                        pb.DescribeRequest(include_tokenizer=True), timeout=timeout
+                    )
                 self._learn(h, described)
             report = await stub.Load(pb.LoadRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
