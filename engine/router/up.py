@@ -410,8 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 code = 1
                 break
     except (RuntimeError, ValueError, OSError) as exc:
-        print(f"strata up: {exc}", file=sys.stderr, flush=True)
-        code = 1
+        if not stop.is_set():  # a part failed; a Ctrl-C during start-up is not an error
+            print(f"strata up: {exc}", file=sys.stderr, flush=True)
+            code = 1
     finally:
         print("strata up: stopping router, workers and store ...", flush=True)
         left = up.stop()
