@@ -418,11 +418,21 @@ class Dispatcher:
             if last_error:
                 detail = f"{detail} ({last_error})"
             return HttpError(ErrorKind.no_worker, detail, retry_after_s=refusal.retry_after_s)
+        turned_down = refusal.placement
+        headers = (
+            {
+                "x-strata-predicted-ttft-ms": f"{turned_down.predicted_ttft_s * 1000:.3f}",
+                "x-strata-predicted-tpot-ms": f"{turned_down.predicted_tpot_s * 1000:.3f}",
+            }
+            if turned_down is not None
+            else {}
+        )
         return HttpError(
             ErrorKind.rate_limited,
             f"refused by admission ({refusal.reason.value}, class "
             f"{refusal.slo_class or 'default'}): {refusal.detail}",
             retry_after_s=refusal.retry_after_s,
+            headers=headers,
         )
 
     def _explain(self, job: Job, hit: PrefixHit, decision: Placement | Refusal) -> None:

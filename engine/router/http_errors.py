@@ -48,10 +48,12 @@ class HttpError(RouterError):
         *,
         retry_after_s: float | None = None,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(kind, message)
         self.retry_after_s = retry_after_s
         self.param = param
+        self.headers = dict(headers or {})
 
 
 def status_of(kind: ErrorKind) -> int:
@@ -72,10 +74,12 @@ def error_body(error: RouterError) -> dict[str, object]:
 
 
 def headers_of(error: RouterError) -> dict[str, str]:
+    """Retry-After (whole seconds, at least 1) when the error has one, and its own headers."""
+    out = dict(getattr(error, "headers", {}))
     retry = getattr(error, "retry_after_s", None)
-    if retry is None:
-        return {}
-    return {"Retry-After": str(max(1, math.ceil(retry)))}
+    if retry is not None:
+        out["Retry-After"] = str(max(1, math.ceil(retry)))
+    return out
 
 
 def error_response(error: RouterError) -> JSONResponse:

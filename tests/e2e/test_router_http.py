@@ -217,6 +217,7 @@ def test_error_statuses(stack: Stack) -> None:
     refused = post("/v1/completions", json=ok, headers={"x-strata-slo-class": "impossible"})
     assert _error(refused, 429)["type"] == "rate_limit_error"
     assert int(refused.headers["retry-after"]) >= 1
+    assert float(refused.headers["x-strata-predicted-ttft-ms"]) > 0.001  # what broke the class
     with stack.http.stream(
         "POST", "/v1/chat/completions", json={**ok, "messages": "x", "stream": True}
     ) as bad:
