@@ -41,7 +41,8 @@ __all__ = ["Fetched", "LinkStats", "PageStore", "PublishTicket", "PullResult", "
 
 
 class PageStore(Protocol):
-    """What the engine needs of a store client (`client.StoreClient` is one)."""
+    """What the engine needs of a store client: `client.StoreClient` (one daemon) and
+    `client.ClusterClient` (a cluster; see `engine.store_spec`) are both one."""
 
     def lookup(self, scope: Scope, keys: Sequence[bytes]) -> LookupResult: ...
 
