@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from loadtests.bench_store import AS_PAID, BARE, Timing, main, mooncake_ratios
+from loadtests.bench_store import AS_PAID, BARE, Timing, main
 from loadtests.peers import mooncake
+from loadtests.peers.mooncake_rows import mooncake_ratios
 
 pytestmark = pytest.mark.e2e
 
