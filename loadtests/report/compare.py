@@ -7,9 +7,11 @@ hit ratio, validity) and, with `--out`, writes the combined report (JSON, Markdo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from loadtests.report.files import ReportError, load_runs, write_report
 from loadtests.report.metrics import run_metrics
@@ -56,13 +58,23 @@ def main(argv: Sequence[str]) -> int:
     args = ap.parse_args(argv)
     runs: list[RunResult] = []
     try:
-        for path in args.reports:
-            runs.extend(load_runs(path))
+        loaded = [(path, load_runs(path)) for path in args.reports]
     except ReportError as exc:
         print(f"strata report: {exc}", file=sys.stderr)
         return 2
+    labels = [r.label for _, group in loaded for r in group]
+    for path, group in loaded:
+        for r in group:
+            # Runs of different reports with the same label are told apart by their report.
+            label = r.label if labels.count(r.label) == 1 else f"{r.label} ({_name(path)})"
+            runs.append(dataclasses.replace(r, label=label))
     print(side_by_side(runs))
     if args.out:
         paths = write_report(runs, args.out, "Runs side by side")
         print(f"wrote {paths['markdown']}")
     return 0
+
+
+def _name(path: str) -> str:
+    p = Path(path)
+    return (p.parent.name if p.name == "report.json" else p.stem) or str(p)
