@@ -221,6 +221,9 @@ def describe(
         cfg = folder / "tokenizer_config.json"
         if cfg.exists():
             msg.tokenizer_config_json = cfg.read_bytes()
+        template = folder / "chat_template.jinja"  # newer checkpoints keep it apart
+        if template.exists():
+            msg.chat_template = template.read_text()
     return msg
 
 

@@ -1,8 +1,8 @@
 """The model's text side for the router: its tokenizer and chat template, without torch.
 
-`ModelText.from_files(tokenizer_json, tokenizer_config_json)` builds both from the bytes a
-worker's `Describe` sends (or a checkpoint folder's files). The chat template is the Jinja
-`chat_template` of tokenizer_config.json, rendered in Jinja's sandboxed environment (a template
+`ModelText(tokenizer_json, tokenizer_config_json, chat_template)` builds both from what a
+worker's `Describe` sends (`from_dir`: a checkpoint folder's files). The chat template is the
+checkpoint's chat_template.jinja, else the Jinja `chat_template` of tokenizer_config.json, rendered in Jinja's sandboxed environment (a template
 is data from the checkpoint, not trusted code) with `messages`, `add_generation_prompt=True` and
 the special tokens, as Hugging Face tokenizers render it.
 """
@@ -33,7 +33,10 @@ class ChatTemplateMissing(RouterError):
 class ModelText:
     """Tokenize prompts, render chats. Thread-safe (the tokenizer's encode is)."""
 
-    def __init__(self, tokenizer_json: bytes, tokenizer_config_json: bytes = b"") -> None:
+    def __init__(
+        self, tokenizer_json: bytes, tokenizer_config_json: bytes = b"", chat_template: str = ""
+    ) -> None:
+        """`chat_template` (a checkpoint's chat_template.jinja) wins over the config's."""
         self.fingerprint = xxhash.xxh3_128_hexdigest(tokenizer_json)
         self.inner = tokenizers.Tokenizer.from_str(tokenizer_json.decode())
         config: dict[str, object] = {}
@@ -47,7 +50,7 @@ class ModelText:
         if isinstance(template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        self.chat_template = template if isinstance(template, str) else ""
+        self.chat_template = chat_template or (template if isinstance(template, str) else "")
         self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._env.globals["raise_exception"] = _raise
         self._compiled = self._env.from_string(self.chat_template) if self.chat_template else None
@@ -56,8 +59,11 @@ class ModelText:
     def from_dir(cls, folder: str | Path) -> ModelText:
         path = Path(folder)
         cfg = path / "tokenizer_config.json"
+        jinja = path / "chat_template.jinja"
         return cls(
-            (path / "tokenizer.json").read_bytes(), cfg.read_bytes() if cfg.exists() else b""
+            (path / "tokenizer.json").read_bytes(),
+            cfg.read_bytes() if cfg.exists() else b"",
+            jinja.read_text() if jinja.exists() else "",
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -237,7 +237,7 @@ class Registry:
         if model is None:
             if not d.tokenizer_json:
                 raise ValueError("described itself without its tokenizer")
-            text = ModelText(d.tokenizer_json, d.tokenizer_config_json)
+            text = ModelText(d.tokenizer_json, d.tokenizer_config_json, d.chat_template)
             if text.fingerprint != d.tokenizer_fingerprint:
                 raise ValueError("its tokenizer.json does not match its tokenizer fingerprint")
             self.models[d.model_id] = ModelInfo(

@@ -137,6 +137,9 @@ def test_chat_template_of_the_preset(tiny_checkpoint: Path) -> None:
     bare = ModelText((tiny_checkpoint / "tokenizer.json").read_bytes())
     with pytest.raises(ChatTemplateMissing):
         bare.render_chat("m", messages)
+    # a chat_template.jinja beside the config wins over it
+    apart = ModelText((tiny_checkpoint / "tokenizer.json").read_bytes(), b"{}", "{{ 'x' }}")
+    assert apart.render_chat("m", messages) == "x"
 
 
 def test_the_shell_never_loads_torch() -> None:
