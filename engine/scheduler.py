@@ -408,6 +408,7 @@ class BatchScheduler:
         )
         now = time.monotonic()
         page = self.runtime.page_tokens
+        ended: list[tuple[_Sequence, TokenEvent]] = []
         for seq, token in zip(batch, chosen, strict=True):
             seq.computed += 1
             step = len(seq.output.tokens)
@@ -417,10 +418,13 @@ class BatchScheduler:
                 self._publish_full(seq)
             if reason is None:
                 seq.stream.put(TokenEvent(step, token, piece, None, None, now))
-                continue
-            stats = seq.stats(page)
+            else:
+                ended.append((seq, TokenEvent(step, token, piece, reason, seq.stats(page), now)))
+        # the highest rows first: a released row is then the last one more often, and nothing
+        # moves into its place (requests that end together cost no copy of their rows)
+        for seq, event in sorted(ended, key=lambda e: -_row_index(e[0])):
             self._release(seq)
-            seq.stream.put(TokenEvent(step, token, piece, reason, stats, now))
+            seq.stream.put(event)
 
     def _publish_full(self, seq: _Sequence) -> None:
         """Queue the pages of `seq` that filled since the last call."""
