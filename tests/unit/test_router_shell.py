@@ -154,3 +154,32 @@ def test_the_shell_never_loads_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert done.stdout.strip() == ""
+
+
+def test_drifted_predictions_are_logged_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from engine.router.core.admission import Admission
+    from engine.router.core.policies import build_policy
+    from engine.router.core.prediction import PredictionTracker
+    from engine.router.core.router import RouterCore
+    from engine.router.core.timemodel import DecodeCoeffs, PrefillCoeffs, TimeModel
+    from engine.router.dispatch import Dispatcher
+    from engine.router.lookup import StoreLookup
+    from engine.router.registry import Registry
+
+    model = TimeModel(PrefillCoeffs(0.01, 0, 0, 0), DecodeCoeffs(0.01, 0, 0))
+    tracker = PredictionTracker(min_samples=3)
+    core = RouterCore(build_policy("round_robin"), Admission(), model, tracker=tracker)
+    dispatcher = Dispatcher(Registry(), StoreLookup(None), core)
+    with caplog.at_level(logging.INFO, logger="engine.router.dispatch"):
+        for i in range(5):  # observed 3x the prediction: off
+            tracker.record("ttft", 0.1, 0.3, now=float(i))
+            dispatcher._check_drift(float(i))
+        for i in range(5, 600):  # on target again (the old pairs leave the window)
+            tracker.record("ttft", 0.1, 0.1, now=float(i))
+        dispatcher._check_drift(600.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("TTFT predictions are off" in line for line in lines) == 1
+    assert sum("TTFT predictions are back on target" in line for line in lines) == 1
+    assert not any("TPOT" in line for line in lines)
