@@ -218,3 +218,58 @@ def test_prefix_hit_checks_its_shape() -> None:
         PrefixHit(1, ("tape",), ("A",))
     with pytest.raises(ValueError, match="prompt_tokens"):
         RequestView("r", 0, 1)
+
+
+def test_decode_load_window_matches_a_plain_sum() -> None:
+    """The bisection over sorted ends equals summing each request's overlap with the window."""
+    from engine.router.core.estimate import decode_load
+    from engine.router.core.types import PendingJoin
+
+    rng = random.Random(11)
+    for case in range(200):
+        running = rng.randrange(0, 12)
+        remaining = tuple(rng.randrange(0, 400) for _ in range(rng.randrange(0, running + 1)))
+        joins = tuple(
+            PendingJoin(
+                f"j{k}", rng.uniform(0.0, 3.0), rng.randrange(1, 3000), rng.randrange(1, 300)
+            )
+            for k in range(rng.randrange(0, 5))
+        )
+        view = WorkerView(
+            "x:1",
+            Role.decode,
+            "x",
+            "m",
+            PAGE,
+            running_requests=running,
+            running_context_tokens=running * 700,
+            report_age_s=rng.uniform(0.0, 0.5),
+            running_remaining_tokens=remaining,
+            pending_joins=joins,
+        )
+        now = 1.0
+        load = decode_load(view, MODEL, now)
+        step = MODEL.decode_step_s(max(running, 1), running * 700)
+        reported = now - view.report_age_s
+        members = [(reported, reported + r * step, 700.0) for r in remaining]
+        members += [(reported, float("inf"), 700.0)] * (running - len(remaining))
+        join_step = MODEL.decode_step_s(
+            running + len(joins), running * 700 + sum(j.context_tokens for j in joins)
+        )
+        members += [
+            (j.join_at_s, j.join_at_s + j.max_tokens * join_step, float(j.context_tokens))
+            for j in joins
+        ]
+        start = now + rng.uniform(0.0, 2.0)
+        end = start + (0.0 if case % 4 == 0 else rng.uniform(0.01, 3.0))
+        want_n = want_ctx = 0.0
+        for since, until, ctx in members:
+            if end == start:
+                share = 1.0 if since <= start < until else 0.0
+            else:
+                share = max(0.0, min(until, end) - max(since, start)) / (end - start)
+            want_n += share
+            want_ctx += share * ctx
+        got_n, got_ctx = load.over(start, end)
+        assert got_n == pytest.approx(want_n, abs=1e-9), case
+        assert got_ctx == pytest.approx(want_ctx, rel=1e-9, abs=1e-6), case

@@ -4,8 +4,9 @@ Every policy prices its pick with these functions (so admission can judge any po
 and the `strata` policy prices every candidate with them.
 
 - TTFT on prefill worker P = the drain of P's queue (its queued prefill tokens, ledger dispatches
-  included, through the time model) + pulling the hit pages, each from its tier and store node as
-  seen from P's host (same host or remote) + computing the missed tokens after the pulled ones. If
+  included, through the time model) + pulling the hit pages, per tier: those on a store node on
+  P's host over the same-host path, the others as one remote transfer (a cluster client fetches
+  the nodes in parallel) + computing the missed tokens after the pulled ones. If
   pulling is slower than recomputing from scratch (a remote SSD hit, say), P recomputes: the
   estimate takes the cheaper of the two.
 - TPOT on decode worker D, for a request joining at `join_at_s`: one decode step of the batch D
@@ -16,6 +17,7 @@ and the `strata` policy prices every candidate with them.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,10 +28,11 @@ from engine.router.core.types import RequestView, WorkerView
 
 @dataclass(frozen=True, slots=True)
 class PrefixGroups:
-    """A request's usable hit pages grouped by (tier, store node host): the pull plan's shape."""
+    """A request's usable hit pages, the pull plan's shape: per tier, how many pages in all and
+    how many on each store node's host."""
 
     pages: int  # hit pages the prefill may use (it always computes at least the last token)
-    groups: tuple[tuple[str, str, int], ...]  # (tier, node host, pages)
+    by_tier: tuple[tuple[str, int, dict[str, int]], ...]  # (tier, pages, {node host: pages})
 
 
 def prefix_groups(request: RequestView) -> PrefixGroups:
@@ -38,8 +41,10 @@ def prefix_groups(request: RequestView) -> PrefixGroups:
     if usable <= 0:
         return PrefixGroups(0, ())
     tiers, hosts = request.prefix.tiers[:usable], request.prefix.node_hosts[:usable]
-    counts = Counter(zip(tiers, hosts, strict=True))
-    return PrefixGroups(usable, tuple((t, h, n) for (t, h), n in counts.items()))
+    per_tier: dict[str, dict[str, int]] = {}
+    for (tier, host), count in Counter(zip(tiers, hosts, strict=True)).items():
+        per_tier.setdefault(tier, {})[host] = count
+    return PrefixGroups(usable, tuple((t, sum(h.values()), h) for t, h in per_tier.items()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +82,13 @@ def estimate_prefill(
     if plan.pages == 0:
         return PrefillEstimate(waiting, 0.0, recompute, 0)
     pull = 0.0
-    for tier, host, pages in plan.groups:
-        pull += model.pull_s(pages * request.page_bytes, tier, host == worker.host_id)
+    size = request.page_bytes
+    for tier, pages, hosts in plan.by_tier:
+        local = hosts.get(worker.host_id, 0)
+        if local:
+            pull += model.pull_s(local * size, tier, True)
+        if pages > local:
+            pull += model.pull_s((pages - local) * size, tier, False)
     hit_tokens = plan.pages * request.page_tokens
     compute = model.prefill_s(request.prompt_tokens - hit_tokens, hit_tokens)
     if pull + compute < recompute:
@@ -88,13 +98,22 @@ def estimate_prefill(
 
 @dataclass(frozen=True, slots=True)
 class DecodeLoad:
-    """A decode worker's batch over time, as predicted from its view: `steady` requests (with
-    `steady_context` tokens) stay throughout; each of `spans` (since, until, context tokens) is
-    there for a while. Built once per worker and decision by `decode_load`, then asked for many
-    windows (`over`)."""
+    """A decode worker's batch over time, as predicted from its view. Built once per worker and
+    decision by `decode_load`, then asked for many windows (`over`):
+
+    - `steady` requests (with `steady_context` tokens) stay throughout;
+    - running requests with a known end: present from the report until `ends[i]` (sorted), each
+      with `each_context` tokens (`ends_sum[i]` = sum of the first i ends, for a window's overlap
+      in a bisection instead of a loop);
+    - `spans` (since, until, context tokens): the ledger's joins, each there for a while.
+    """
 
     steady: float
     steady_context: float
+    reported_at_s: float
+    each_context: float
+    ends: tuple[float, ...]
+    ends_sum: tuple[float, ...]
     spans: tuple[tuple[float, float, float], ...]
     max_batch: int
 
@@ -102,6 +121,18 @@ class DecodeLoad:
         """(requests, context tokens) averaged over [start_s, end_s] (at start_s if equal)."""
         requests, tokens = self.steady, self.steady_context
         span = end_s - start_s
+        ends = self.ends
+        if ends:
+            start = start_s if start_s > self.reported_at_s else self.reported_at_s
+            first = bisect_right(ends, start)  # ends[first:] are still there at `start`
+            if span <= 0:
+                present = float(len(ends) - first)
+            else:
+                last = bisect_right(ends, end_s, lo=first)  # ends[last:] outlast the window
+                inside = self.ends_sum[last] - self.ends_sum[first] - (last - first) * start
+                present = (inside + (len(ends) - last) * (end_s - start)) / span
+            requests += present
+            tokens += present * self.each_context
         if span <= 0:
             for since, until, ctx in self.spans:
                 if since <= start_s < until:
@@ -127,16 +158,19 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
     running = worker.running_requests
     context = worker.running_context_tokens
     joins = worker.pending_joins
-    spans: list[tuple[float, float, float]] = []
-    steady, steady_context = float(running), float(context)
+    reported_at = now - worker.report_age_s
+    steady, steady_context, each = float(running), float(context), 0.0
+    ends: list[float] = []
     step = model.decode_step_s(max(running, 1), context)
     if worker.running_remaining_tokens and running > 0 and step > 0:
-        reported_at = now - worker.report_age_s
         each = context / running
-        remaining = worker.running_remaining_tokens[:running]
-        spans.extend((reported_at, reported_at + r * step, each) for r in remaining)
-        steady = float(running - len(remaining))
+        ends = sorted(reported_at + r * step for r in worker.running_remaining_tokens[:running])
+        steady = float(running - len(ends))
         steady_context = each * steady
+    sums = [0.0]
+    for end in ends:
+        sums.append(sums[-1] + end)
+    spans: list[tuple[float, float, float]] = []
     if joins:
         joining = 0
         for j in joins:
@@ -146,7 +180,16 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
             spans.append(
                 (j.join_at_s, j.join_at_s + j.max_tokens * join_step, float(j.context_tokens))
             )
-    return DecodeLoad(steady, steady_context, tuple(spans), worker.max_batch)
+    return DecodeLoad(
+        steady,
+        steady_context,
+        reported_at,
+        each,
+        tuple(ends),
+        tuple(sums),
+        tuple(spans),
+        worker.max_batch,
+    )
 
 
 def load_over(
@@ -184,9 +227,7 @@ def estimate_tpot(
         else:
             running, context = batch.over(join_at_s, join_at_s)
             life = request.max_tokens * _step(model, running + 1.0, context + own, worker.max_batch)
-        running, context = batch.steady, batch.steady_context
-        if batch.spans:
-            running, context = batch.over(join_at_s, join_at_s + life)
+        running, context = batch.over(join_at_s, join_at_s + life)
     elif mode == "current":
         running, context = float(worker.running_requests), float(worker.running_context_tokens)
     else:
@@ -195,7 +236,7 @@ def estimate_tpot(
 
 
 def _step(model: TimeModel, batch: float, context: float, max_batch: int) -> float:
-    cap = max(max_batch, 1)
+    cap = max_batch if max_batch > 1 else 1
     if batch <= cap:
         return (
             model.decode.fixed_s

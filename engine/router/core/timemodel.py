@@ -154,6 +154,10 @@ class TimeModel:
     pulls: tuple[PullCoeffs, ...] = ()
     provenance: Provenance = field(default_factory=Provenance)
     samples: Samples = field(default_factory=Samples)
+    # (tier, same_host) -> the line it is priced with, filled on first use
+    _pull_table: dict[tuple[str, bool], object] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Seconds to compute `new_tokens` after `cached_tokens` already in the pool."""
@@ -171,13 +175,12 @@ class TimeModel:
         return coeffs.seconds(nbytes) if coeffs is not None else 0.0
 
     def pull_coeffs(self, tier: str, same_host: bool) -> PullCoeffs | None:
-        exact = [p for p in self.pulls if p.tier == tier and p.same_host == same_host]
-        if exact:
-            return exact[0]
-        pool = [p for p in self.pulls if p.tier == tier] or list(self.pulls)
-        if not pool:
-            return None
-        return max(pool, key=lambda p: (p.s_per_byte, p.fixed_s))
+        """The line pulls from `tier` over that path are priced with (see the module doc)."""
+        found = self._pull_table.get((tier, same_host), _UNSET)
+        if found is _UNSET:
+            found = _pull_line(self.pulls, tier, same_host)
+            self._pull_table[(tier, same_host)] = found
+        return found  # type: ignore[return-value]
 
     def queue_drain_s(self, queued_tokens: int, queued_requests: int) -> float:
         """Seconds to drain a prefill queue of `queued_tokens` over `queued_requests` requests.
@@ -297,6 +300,19 @@ def _build(cls: type[_T], raw: Mapping[str, object], **given: object) -> _T:
         else:
             raise TypeError(f"{cls.__name__}.{name}: expected {kind}, got {value!r}")
     return cls(**values)
+
+
+_UNSET = object()
+
+
+def _pull_line(pulls: tuple[PullCoeffs, ...], tier: str, same_host: bool) -> PullCoeffs | None:
+    exact = [p for p in pulls if p.tier == tier and p.same_host == same_host]
+    if exact:
+        return exact[0]
+    pool = [p for p in pulls if p.tier == tier] or list(pulls)
+    if not pool:
+        return None
+    return max(pool, key=lambda p: (p.s_per_byte, p.fixed_s))
 
 
 def _mapping(value: object) -> dict[str, object]:

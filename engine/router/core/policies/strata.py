@@ -154,25 +154,29 @@ def _lost(
     if cand.cost <= winner.cost * 1.0000001 + 1e-12:
         reason = f"tied at {cand.cost:.4g}s; the draw picked {winner.prefill_id}"
     else:
-        deltas = {
-            "queue": cand.queue_s - winner.queue_s,
-            "pull": cand.pull_s - winner.pull_s,
-            "compute": cand.compute_s - winner.compute_s,
-            "decode load": decode_weight
-            * request.max_tokens
-            * (cand.predicted_tpot_s - winner.predicted_tpot_s),
-        }
-        part, delta = max(deltas.items(), key=lambda kv: kv[1])
+        part, delta = "queue", cand.queue_s - winner.queue_s
+        for name, more in (
+            ("pull", cand.pull_s - winner.pull_s),
+            ("compute", cand.compute_s - winner.compute_s),
+            (
+                "decode load",
+                decode_weight
+                * request.max_tokens
+                * (cand.predicted_tpot_s - winner.predicted_tpot_s),
+            ),
+        ):
+            if more > delta:
+                part, delta = name, more
         reason = f"cost {cand.cost:.4g}s > {winner.cost:.4g}s, mostly {part} (+{delta:.3g}s)"
     return Candidate(
-        prefill_id=cand.prefill_id,
-        decode_id=cand.decode_id,
-        predicted_ttft_s=cand.predicted_ttft_s,
-        predicted_tpot_s=cand.predicted_tpot_s,
-        cost=cand.cost,
-        rejected_because=reason,
-        hit_tokens_used=cand.hit_tokens_used,
-        queue_s=cand.queue_s,
-        pull_s=cand.pull_s,
-        compute_s=cand.compute_s,
+        cand.prefill_id,
+        cand.decode_id,
+        cand.predicted_ttft_s,
+        cand.predicted_tpot_s,
+        cand.cost,
+        reason,
+        cand.hit_tokens_used,
+        cand.queue_s,
+        cand.pull_s,
+        cand.compute_s,
     )
