@@ -255,6 +255,36 @@ def test_explain_lists_every_candidate() -> None:
     assert [c["rejected_because"] == "" for c in cands].count(True) == 1
 
 
+def test_a_colocated_worker_pays_its_decode_steps_during_prefill() -> None:
+    busy = WorkerView(
+        "c:1",
+        Role.colocated,
+        "A",
+        "m",
+        PAGE,
+        running_requests=16,
+        running_context_tokens=16 * 1000,
+        step_token_budget=272,
+    )
+    req = request(hit_pages=0, prompt=1024)
+    est = estimate_prefill(req, busy, MODEL)
+    steps = -(-1024 // (272 - 16))  # 4 steps of 256 prompt tokens, each with a decode step
+    extra = steps * MODEL.decode_step_s(16, 16 * 1000)
+    assert est.compute_s == pytest.approx(MODEL.prefill_s(1024, 0) + extra)
+    # unknown budget or an idle batch: the prefill alone
+    assert estimate_prefill(req, replace(busy, step_token_budget=0), MODEL).compute_s == (
+        pytest.approx(MODEL.prefill_s(1024, 0))
+    )
+    assert estimate_prefill(req, replace(busy, running_requests=0), MODEL).compute_s == (
+        pytest.approx(MODEL.prefill_s(1024, 0))
+    )
+    # and its queue interleaves the same way
+    queued = replace(busy, queued_prefill_tokens=512, queued_requests=1)
+    assert estimate_prefill(req, queued, MODEL).queue_s == pytest.approx(
+        MODEL.prefill_s(512, 0) + 2 * MODEL.decode_step_s(16, 16 * 1000)
+    )
+
+
 def test_a_full_hit_still_computes_the_last_token() -> None:
     req = request(prompt=PAGE * 8, hit_pages=8)
     est = estimate_prefill(req, prefill("a:1", "A"), MODEL)

@@ -8,7 +8,9 @@ and the `strata` policy prices every candidate with them.
   P's host over the same-host path, the others as one remote transfer (a cluster client fetches
   the nodes in parallel) + computing the missed tokens after the pulled ones. If
   pulling is slower than recomputing from scratch (a remote SSD hit, say), P recomputes: the
-  estimate takes the cheaper of the two.
+  estimate takes the cheaper of the two. On a co-located worker that reports its step token
+  budget, every step of prefill chunks also runs a decode step of its batch, and both its queue
+  and this request's compute pay for it.
 - TPOT on decode worker D, for a request joining at `join_at_s`: one decode step of the batch D
   will run then. "predicted" counts the running requests that will still be there (when the worker
   reports how many tokens each may still produce) plus the dispatches that will have joined;
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.router.core.timemodel import TimeModel
-from engine.router.core.types import RequestView, WorkerView
+from engine.router.core.types import RequestView, Role, WorkerView
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,21 @@ class PrefillEstimate:
 
 def queue_s(worker: WorkerView, model: TimeModel) -> float:
     """Seconds until `worker` would start a new prefill (its queue, drained through the model)."""
-    return model.queue_drain_s(worker.queued_prefill_tokens, worker.queued_requests)
+    drain = model.queue_drain_s(worker.queued_prefill_tokens, worker.queued_requests)
+    return drain + interleaved_s(worker, model, worker.queued_prefill_tokens)
+
+
+def interleaved_s(worker: WorkerView, model: TimeModel, tokens: int) -> float:
+    """What computing `tokens` of prefill costs a co-located worker on top of the prefill itself:
+    each step of `step_token_budget` tokens also runs a decode step of its batch. Zero for other
+    workers, an unknown budget, an idle batch or no tokens."""
+    budget = worker.step_token_budget
+    running = worker.running_requests
+    if worker.role is not Role.colocated or budget <= 0 or running <= 0 or tokens <= 0:
+        return 0.0
+    per_step = budget - running if budget > running else 1
+    steps = -(-tokens // per_step)
+    return steps * model.decode_step_s(running, worker.running_context_tokens)
 
 
 def estimate_prefill(
@@ -78,7 +94,9 @@ def estimate_prefill(
     """The predicted TTFT of `request` on prefill worker `worker`, split into its parts."""
     plan = groups if groups is not None else prefix_groups(request)
     waiting = queue_s(worker, model)
-    recompute = model.prefill_s(request.prompt_tokens, 0)
+    recompute = model.prefill_s(request.prompt_tokens, 0) + interleaved_s(
+        worker, model, request.prompt_tokens
+    )
     if plan.pages == 0:
         return PrefillEstimate(waiting, 0.0, recompute, 0)
     pull = 0.0
@@ -90,7 +108,8 @@ def estimate_prefill(
         if pages > local:
             pull += model.pull_s((pages - local) * size, tier, False)
     hit_tokens = plan.pages * request.page_tokens
-    compute = model.prefill_s(request.prompt_tokens - hit_tokens, hit_tokens)
+    missed = request.prompt_tokens - hit_tokens
+    compute = model.prefill_s(missed, hit_tokens) + interleaved_s(worker, model, missed)
     if pull + compute < recompute:
         return PrefillEstimate(waiting, pull, compute, hit_tokens)
     return PrefillEstimate(waiting, 0.0, recompute, 0)

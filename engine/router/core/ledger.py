@@ -202,4 +202,5 @@ def _with_dispatches(
         w.report_age_s,
         w.running_remaining_tokens,
         w.pending_joins + joins,
+        w.step_token_budget,
     )

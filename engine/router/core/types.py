@@ -51,6 +51,8 @@ class WorkerView:
       generate, when the worker reports it (empty = unknown: every running request is assumed to
       stay). Predicted-load admission uses it to see departures.
     - `pending_joins`: dispatches not yet in the report, added by `DispatchLedger.apply`.
+    - `step_token_budget`: a co-located worker's tokens per step (0 = unknown): its prefill
+      chunks share steps with its decode batch, so each chunk also pays a decode step.
     - `report_age_s`: how old the load report is (`now` minus the time it was taken).
     """
 
@@ -69,6 +71,7 @@ class WorkerView:
     report_age_s: float = 0.0
     running_remaining_tokens: tuple[int, ...] = ()
     pending_joins: tuple[PendingJoin, ...] = ()
+    step_token_budget: int = 0
 
     @property
     def does_prefill(self) -> bool:
