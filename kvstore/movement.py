@@ -2,8 +2,11 @@
 
 `Tiers` bundles the tier objects with the index, the admission policy, counters and events, and
 implements the movement rules of DESIGN §5. Every method here must be called with the store lock
-held (the store and the mover own that lock); the only exception is `write_ssd_unlocked`, the
-I/O half of a background demotion, which the mover calls with the page pinned and the lock free.
+held (the store and the mover own that lock), and none does disk I/O: a page that must be
+written to SSD before it can leave DRAM is not demoted here (`demote_dram` raises
+`NeedsDemotion`); `plan_dram_room` names such pages, and the mover writes them with the lock
+free (`Mover.copy_to_ssd`: plan under the lock, I/O outside, apply under the lock). SSD deletes
+only change the SSD tier's accounting (its tombstones are written later, by the mover).
 
 Invariant kept by every method: a page is never nowhere. A demotion writes the lower tier before
 it clears the upper one; a page that cannot go lower is dropped whole (and an event says so).
@@ -13,11 +16,10 @@ from __future__ import annotations
 
 import logging
 
-from client.page import PageHeader
 from kvstore.errors import CapacityExhausted
 from kvstore.events import EventKind, EventLog
 from kvstore.index import Index, PageEntry
-from kvstore.keys import IoClass, Tier
+from kvstore.keys import Tier
 from kvstore.metrics import StoreCounters, TierGauge
 from kvstore.policy import SsdAdmission
 from kvstore.tiers.dram import DramTier
@@ -28,6 +30,17 @@ log = logging.getLogger(__name__)
 
 # Stop looking for victims after this many candidates in one call (all pinned, say).
 _MAX_VICTIM_SCAN = 100_000
+
+
+class NeedsDemotion(CapacityExhausted):
+    """DRAM has room only once `victim` is written to SSD (disk I/O: not under the lock)."""
+
+    def __init__(self, victim: PageEntry, retry_after_s: float) -> None:
+        super().__init__(
+            f"DRAM full: page {victim.key.hex()} must be written to SSD first",
+            retry_after_s=retry_after_s,
+        )
+        self.victim = victim
 
 
 class Tiers:
@@ -56,9 +69,12 @@ class Tiers:
     # ---- allocation with eviction ---------------------------------------------------------
 
     def allocate_dram(self, n_bytes: int) -> int:
-        """A DRAM block of n_bytes, demoting unpinned pages as needed. Mutates.
+        """A DRAM block of n_bytes, demoting unpinned pages as needed (those that need no disk
+        I/O: dropped, or already on SSD). Mutates.
 
-        Raises CapacityExhausted (with a retry hint) when nothing more can leave DRAM.
+        Raises NeedsDemotion when the next page to leave must be written to SSD first (the
+        caller has it written with the lock free, see `plan_dram_room`, and tries again), or
+        CapacityExhausted (with a retry hint) when nothing more can leave DRAM.
         """
         offset = self.dram.allocate(n_bytes)
         scanned = 0
@@ -105,6 +121,40 @@ class Tiers:
             self.demote_gpu(victim)
             offset = self.gpu.allocate(n_bytes)
         return offset
+
+    def needs_ssd_write(self, entry: PageEntry) -> bool:
+        """Whether `entry` must be written to SSD before it can leave DRAM (it is admitted there
+        and has no copy in another tier)."""
+        return (
+            self.ssd is not None
+            and entry.gpu is None
+            and not entry.ssd
+            and self.admission.admit(entry)
+        )
+
+    def plan_dram_room(self, page_bytes: int, count: int = 1) -> list[PageEntry]:
+        """Make room for `count` pages of `page_bytes` in DRAM as far as it takes no disk I/O,
+        and name the next page that must be written to SSD to make the rest (none: there is
+        room, or nothing can leave). Mutates (demotes the pages that need no write); the caller
+        writes the named one with the lock free, then asks again."""
+        slot = self.dram.slot_bytes_for(page_bytes)
+
+        def short() -> int:  # bytes still missing (0 when the pages fit now)
+            free = self.dram.capacity_bytes - self.dram.used_bytes
+            if free >= slot * count and self.dram.largest_free_slot() >= slot:
+                return 0
+            return max(slot * count - free, slot)
+
+        for scanned, victim in enumerate(self.index.eviction_candidates(Tier.DRAM)):
+            if short() == 0 or scanned > _MAX_VICTIM_SCAN:
+                break
+            if victim.dram is None:
+                continue
+            if self.needs_ssd_write(victim):
+                # one at a time: once it is gone its parent may be the next leaf to go
+                return [victim]
+            self.demote_dram(victim)  # dropped, or its SSD copy kept: no I/O
+        return []
 
     def make_room_ssd(self, n_bytes: int) -> None:
         """Evict SSD pages until n_bytes more fit. Mutates; raises CapacityExhausted if it cannot."""
@@ -153,26 +203,17 @@ class Tiers:
         self._move_event(entry, Tier.GPU, lower, demotion=True)
 
     def demote_dram(self, entry: PageEntry) -> None:
-        """Make a page leave DRAM: write it to SSD first if admitted, else drop it. Mutates."""
+        """Make a page leave DRAM: its copy in a lower tier stays, else it is dropped (a page
+        not admitted to SSD). Mutates; no disk I/O. Raises NeedsDemotion (changing nothing)
+        for a page that must be written to SSD first."""
         assert entry.dram is not None
+        if self.needs_ssd_write(entry):
+            raise NeedsDemotion(entry, self.retry_after_s)
         self._bump(self.counters.evictions, Tier.DRAM)
         offset = entry.dram
         if entry.gpu is None and not entry.ssd:
-            if self.ssd is not None and self.admission.admit(entry):
-                try:
-                    self.make_room_ssd(entry.payload_bytes + len(entry.header))
-                    self.ssd.write(
-                        PageHeader.decode(entry.header), self.dram.view(offset, entry.payload_bytes)
-                    )
-                except CapacityExhausted as exc:
-                    log.debug("page not demoted to SSD: %s", exc)
-                    self.drop(entry, reason_tier=Tier.DRAM, count_eviction=False)
-                    return
-                self.counters.add_bytes("ssd", "in", IoClass.BACKGROUND, entry.payload_bytes)
-                self.index.set_residency(entry.key, Tier.SSD, True)
-            else:
-                self.drop(entry, reason_tier=Tier.DRAM, count_eviction=False)
-                return
+            self.drop(entry, reason_tier=Tier.DRAM, count_eviction=False)
+            return
         self.index.set_residency(entry.key, Tier.DRAM, None)
         self.dram.free(offset)
         if entry.gpu is None:  # its fastest copy is now the SSD one (written now or earlier)
@@ -215,20 +256,6 @@ class Tiers:
         self.index.set_residency(entry.key, Tier.DRAM, None)
         self.dram.free(offset)
         self._place_event(entry, Tier.GPU)
-
-    def move_to_ssd(self, entry: PageEntry, io_class: IoClass = IoClass.BACKGROUND) -> None:
-        """Write a DRAM page to SSD and release its DRAM copy. Mutates; may raise."""
-        assert self.ssd is not None and entry.dram is not None
-        self.make_room_ssd(entry.payload_bytes + len(entry.header))
-        self.ssd.write(
-            PageHeader.decode(entry.header), self.dram.view(entry.dram, entry.payload_bytes)
-        )
-        self.counters.add_bytes("ssd", "in", io_class, entry.payload_bytes)
-        self.index.set_residency(entry.key, Tier.SSD, True)
-        offset = entry.dram
-        self.index.set_residency(entry.key, Tier.DRAM, None)
-        self.dram.free(offset)
-        self._place_event(entry, Tier.SSD)
 
     # ---- removal ----------------------------------------------------------------------------
 

@@ -51,7 +51,10 @@ class Mover:
         self._unpin = unpin
         self._verify = verify  # checks same-host puts' payloads (Store.verify_same_host_puts)
         self._interval_s = interval_s
-        self._queue: deque[bytes] = deque()
+        # write-through copies and SSD placements asked for, bounded: a key per DRAM page at
+        # most (the oldest request goes first when it overflows; its page just stays in DRAM)
+        self._queue: deque[tuple[bytes, bool]] = deque(maxlen=max(1, dram.capacity_bytes // 4096))
+        self.dropped_requests = 0
         self._cond = threading.Condition()
         self._kicked = False
         self._stopped = False
@@ -82,9 +85,19 @@ class Mover:
             self.kick()
 
     def write_through(self, key: bytes) -> None:
-        """Queue a page for a background copy to SSD."""
+        """Queue a page for a background copy to SSD (it stays in DRAM too)."""
+        self._request(key, clear_dram=False)
+
+    def place_on_ssd(self, key: bytes) -> None:
+        """Queue a page to be moved to SSD (its writer asked for that tier): written by the
+        mover with the store lock free, then its DRAM copy released."""
+        self._request(key, clear_dram=True)
+
+    def _request(self, key: bytes, *, clear_dram: bool) -> None:
         with self._cond:
-            self._queue.append(key)
+            if len(self._queue) == self._queue.maxlen:
+                self.dropped_requests += 1
+            self._queue.append((key, clear_dram))
             self._kicked = True
             self._cond.notify_all()
 
@@ -123,13 +136,24 @@ class Mover:
             with self._cond:
                 if not self._queue:
                     break
-                key = self._queue.popleft()
+                key, clear_dram = self._queue.popleft()
             with self._lock:
                 entry = self._tiers.index.get(key)
-                if entry is None or entry.ssd or entry.dram is None:
+                if entry is None or entry.dram is None or (entry.ssd and not clear_dram):
                     continue
-            self._copy_to_ssd(entry, clear_dram=False)
+                if entry.ssd:  # already there: only its DRAM copy goes
+                    if entry.leases == 0:
+                        self._tiers.demote_dram(entry)
+                    continue
+            self.copy_to_ssd(entry, clear_dram=clear_dram)
         self._demote_to_watermark()
+        ssd = self._tiers.ssd
+        if ssd is not None:  # disk work of the SSD tier itself, never under the store lock
+            try:
+                ssd.flush_deletes()
+                ssd.compact_step()
+            except StrataError as exc:
+                log.warning("ssd tier upkeep failed: %s", exc)
 
     def _demote_to_watermark(self) -> None:
         dram = self._tiers.dram
@@ -152,14 +176,26 @@ class Mover:
                     self._tiers.demote_dram(victim)
                     moved += 1
                     continue
-            if not self._copy_to_ssd(victim, clear_dram=True):
+            if not self.copy_to_ssd(victim, clear_dram=True):
                 break
             moved += 1
         if moved:
             log.debug("demoted %d pages below the DRAM low watermark", moved)
 
-    def _copy_to_ssd(self, entry: PageEntry, *, clear_dram: bool) -> bool:
-        """Write a DRAM page to SSD with the lock free; optionally release its DRAM copy."""
+    def copy_to_ssd(
+        self,
+        entry: PageEntry,
+        *,
+        clear_dram: bool,
+        io_class: IoClass = IoClass.BACKGROUND,
+        must_leave: bool = True,
+    ) -> bool:
+        """Write a DRAM page to SSD with the store lock free (plan under the lock: room on SSD,
+        a pin; the write through the scheduler in `io_class`; apply under the lock: SSD
+        residency, unpin) and, with `clear_dram`, release its DRAM copy. A page that cannot be
+        written (SSD full of leased pages, a disk error) and `must_leave` DRAM (to make room)
+        is dropped: a page is never nowhere, and never half written; otherwise it stays in
+        DRAM. False when nothing could be done."""
         ssd = self._tiers.ssd
         if ssd is None:
             return False
@@ -171,33 +207,38 @@ class Mover:
                 self._tiers.make_room_ssd(entry.payload_bytes + len(entry.header))
             except CapacityExhausted as exc:
                 log.debug("background SSD write skipped: %s", exc)
-                if clear_dram and entry.leases == 0:
-                    self._tiers.demote_dram(entry)  # drops it: SSD cannot take it
+                if clear_dram and must_leave and entry.leases == 0:
+                    self._tiers.drop(entry, reason_tier=Tier.DRAM)  # SSD cannot take it
                     return True
                 return False
             self._tiers.index.pin(key)
             header = PageHeader.decode(entry.header)
             view = self._tiers.dram.view(entry.dram, entry.payload_bytes)
-        ok = False
+        ok = failed = False
         try:
-            with self._scheduler.admit(IoClass.BACKGROUND, entry.payload_bytes):
+            with self._scheduler.admit(io_class, entry.payload_bytes):
                 ssd.write(header, view)
             ok = True
-            self._tiers.counters.add_bytes("ssd", "in", IoClass.BACKGROUND, entry.payload_bytes)
+            self._tiers.counters.add_bytes("ssd", "in", io_class, entry.payload_bytes)
         except StrataError as exc:
-            log.warning("background SSD write of %s failed: %s", key.hex(), exc)
+            failed = True
+            log.warning("SSD write of %s failed: %s", key.hex(), exc)
+            with self._tiers.counters.lock:
+                self._tiers.counters.ssd_write_errors += 1
         finally:
             with self._lock:
                 if ok and self._tiers.index.get(key) is entry:
                     self._tiers.index.set_residency(key, Tier.SSD, True)
                 self._unpin(key)
                 if (
-                    ok
-                    and clear_dram
+                    clear_dram
+                    and (ok or (failed and must_leave))
                     and self._tiers.index.get(key) is entry
                     and entry.leases == 0
                     and entry.dram is not None
                 ):
-                    # already on SSD: frees the DRAM copy, counts the demotion, tells watchers
-                    self._tiers.demote_dram(entry)
+                    if ok:  # on SSD now: frees the DRAM copy, counts the demotion, tells watchers
+                        self._tiers.demote_dram(entry)
+                    else:  # it must leave and cannot go lower: dropped whole
+                        self._tiers.drop(entry, reason_tier=Tier.DRAM)
         return ok

@@ -52,6 +52,13 @@ _GPU, _DRAM = Tier.GPU, Tier.DRAM  # enum lookups cost ~75 ns each on Python 3.1
 
 _SCOPE_CACHE = 1024
 _READ_OK, _READ_BAD, _READ_IO_ERROR = 1, 2, 3  # outcomes of one SSD page read (`_read_ssd`)
+_ROOM_ROUNDS = 4096 + 8  # pages a call may write to SSD (one at a time) to find DRAM room
+
+
+def index_payload_bytes(index: Index, key: bytes) -> int:
+    """Payload size of a page in the index (0 when it is gone)."""
+    entry = index.get(key)
+    return entry.payload_bytes if entry is not None else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +376,15 @@ class Store:
         plan = self.plan_put(scope, raw_headers)
         limits = self.config.limits
         ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
+        for _ in range(_ROOM_ROUNDS):  # pages that must go to SSD to make room: written unlocked
+            with self._lock:
+                count = sum(1 for i in plan.new if self._writable(plan.headers[i].key))
+                victims = (
+                    self.tiers.plan_dram_room(scope.page_payload_bytes, count) if count else []
+                )
+            if not victims:
+                break
+            self._write_out(victims, io_class)
         with self._lock:
             self.reap_leases()
             new = [i for i in plan.new if self._writable(plan.headers[i].key)]
@@ -483,13 +499,37 @@ class Store:
                     for e in entries
                 ]
             )  # every STORED before any MOVED of placing a page
+            to_ssd: list[PageEntry] = []
             if tier is not None or self.write_mode is WriteMode.WRITE_THROUGH:
                 for entry in entries:  # placing one may move others: look each up again
-                    self._place(index.get(entry.key), tier, io_class)
+                    placed = index.get(entry.key)
+                    if tier is Tier.SSD and placed is not None and self.tiers.ssd is not None:
+                        to_ssd.append(placed)
+                    else:
+                        self._place(placed, tier, io_class)
             self.counters.add_bytes(path, "in", io_class, committed_bytes)
             stored = len(entries) + replacing
+        for entry in to_ssd:  # placed as asked before the call returns, the store lock free
+            self.mover.copy_to_ssd(entry, clear_dram=True, io_class=io_class, must_leave=False)
         self.mover.kick_if_above_watermark()
         return stored
+
+    def _write_out(self, victims: Sequence[PageEntry], io_class: IoClass) -> None:
+        """Demote `victims` to SSD to make room in DRAM: each written with the store lock free
+        (through the scheduler as BACKGROUND I/O, so the background cap holds for demotions
+        too, whoever waits for them), then its DRAM copy released (kvstore/mover.py
+        `copy_to_ssd`). Lock NOT held."""
+        for victim in victims:
+            if not self.mover.copy_to_ssd(victim, clear_dram=True):
+                with self._lock:  # it could not be written: it leaves anyway (never nowhere)
+                    if (
+                        self.index.get(victim.key) is victim
+                        and victim.leases == 0
+                        and victim.dram is not None
+                        and not victim.ssd
+                        and victim.gpu is None
+                    ):
+                        self.tiers.drop(victim, reason_tier=Tier.DRAM)
 
     def _place(self, entry: PageEntry | None, tier: Tier | None, io_class: IoClass) -> None:
         """Move a just-committed DRAM page where its writer asked. Best effort: a page that cannot
@@ -500,8 +540,6 @@ class Store:
         try:
             if tier is Tier.GPU and self.tiers.gpu is not None:
                 self.tiers.move_to_gpu(entry)
-            elif tier is Tier.SSD and self.tiers.ssd is not None:
-                self.tiers.move_to_ssd(entry, io_class)
             elif self.write_mode is WriteMode.WRITE_THROUGH and self.tiers.ssd is not None:
                 self.mover.write_through(entry.key)
         except StrataError as exc:
@@ -584,6 +622,14 @@ class Store:
         adopted: set[int] = set()
         try:
             if need_ssd:
+                for _ in range(_ROOM_ROUNDS):  # room made by SSD writes, lock free
+                    with self._lock:
+                        victims = self.tiers.plan_dram_room(
+                            index_payload_bytes(index, keys[need_ssd[0]]), len(need_ssd)
+                        )
+                    if not victims:
+                        break
+                    self._write_out(victims, io_class)
                 with self._lock:
                     for i in need_ssd:
                         entry = index.get(keys[i])

@@ -55,7 +55,14 @@ def sync_dir(folder: Path) -> None:
 class SegmentFiles:
     """The segment files of one SSD tier folder."""
 
-    def __init__(self, folder: Path, segment_bytes: int, *, sync_dirs: bool = False) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        segment_bytes: int,
+        *,
+        sync_dirs: bool = False,
+        accounting: threading.Lock | None = None,
+    ) -> None:
         """`sync_dirs`: make each new segment file's directory entry durable (fsync of the
         folder after it is created, and of the folder's parent when the folder is new), as
         `sync_writes` promises: a payload synced in a file whose name is lost is lost too."""
@@ -64,6 +71,10 @@ class SegmentFiles:
         self._folder = folder
         self._segment_bytes = segment_bytes
         self._sync_dirs = sync_dirs
+        # Guards the live/size accounting: `append` (one writer at a time) takes it only around
+        # its bookkeeping, never over its I/O; the owner holds it when it calls `release`,
+        # `adopt`, `sparse` or `drop_empty`.
+        self._acct = accounting or threading.Lock()
         try:
             new = not folder.exists()
             folder.mkdir(parents=True, exist_ok=True)
@@ -105,8 +116,9 @@ class SegmentFiles:
             os.pwritev(self._write_fd, [payload, _ZEROS[:pad]] if pad else [payload], offset)
         except OSError as exc:
             raise Unavailable(f"ssd tier: writing segment {seg}: {exc}") from exc
-        self._size[seg] = offset + span
-        self._live[seg] += span
+        with self._acct:
+            self._size[seg] = offset + span
+            self._live[seg] += span
         self._unsynced = True
         return seg, offset
 
@@ -211,10 +223,11 @@ class SegmentFiles:
         if self._write_fd >= 0:
             self.sync()
             os.close(self._write_fd)
-            old = self._current
-            if not self._live.get(old):
-                self._current = -1
-                self._remove(old)
+            self._write_fd = -1
+            with self._acct:
+                old, self._current = self._current, -1  # sealed from now on
+                if not self._live.get(old):
+                    self._remove(old)
         seg = self._next
         self._next += 1
         try:
@@ -222,9 +235,10 @@ class SegmentFiles:
         except OSError as exc:
             self._write_fd = -1
             raise Unavailable(f"ssd tier: creating segment {seg}: {exc}") from exc
-        self._current, self._write_fd = seg, fd
-        self._size[seg] = 0
-        self._live[seg] = 0
+        with self._acct:
+            self._current, self._write_fd = seg, fd
+            self._size[seg] = 0
+            self._live[seg] = 0
         if self._sync_dirs:
             try:
                 sync_dir(self._folder)  # the new file's name survives a power loss

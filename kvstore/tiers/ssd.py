@@ -96,7 +96,8 @@ class SsdTier:
             raise InvalidArgument(f"ssd capacity must be positive, got {capacity_bytes}")
         self._path = Path(path)
         self._capacity = capacity_bytes
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the accounting (held for moments, never over I/O)
+        self._io_lock = threading.Lock()  # writers' I/O (writes, compaction steps, tombstones)
         self._sizes: dict[bytes, int] = {}
         self._where: dict[bytes, tuple[int, int, int]] = {}  # key -> payload location
         self._used = 0
@@ -110,11 +111,13 @@ class SsdTier:
             raise Unavailable(f"cannot create ssd tier folder {self._path}: {exc}") from exc
         self._handles: RocksHandles | None = open_rocks(self._path)
         segment_bytes = max(min(SEGMENT_BYTES, capacity_bytes // 4), 1 << 20)
-        self._files = SegmentFiles(self._path / "segments", segment_bytes, sync_dirs=sync_writes)
+        self._files = SegmentFiles(
+            self._path / "segments", segment_bytes, sync_dirs=sync_writes, accounting=self._lock
+        )
         self._files.faults = faults
         if faults.active:
             log.warning("ssd tier: injecting faults: %s", faults)
-        self._compacting = False
+        self._tombstones: dict[bytes, int] = {}  # deleted keys whose records are still on disk
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync_writes
         self._read_opts = ReadOptions()
@@ -268,52 +271,94 @@ class SsdTier:
         data = view.cast("B")
         total = header.total_bytes
         encoded = header.encode()
-        with self._lock:
-            h = self._require_open()
-            self._require_scanned()
-            if header.key in self._sizes:
-                return total
-            if self._used + total > self._capacity:
-                raise CapacityExhausted(
-                    f"ssd tier full: {self._used} of {self._capacity} bytes used, "
-                    f"page needs {total}"
-                )
-            seg, offset = self._files.append(data)
-            if self._sync:
-                self._files.sync()  # the payload is durable before the record naming it
-            batch = WriteBatch(raw_mode=True)
-            batch.put(header.key, encoded, h.headers_cf)
-            batch.put(header.key, LOCATION.pack(seg, offset, data.nbytes), h.payloads_cf)
+        with self._io_lock:  # writers one at a time; the accounting lock only for moments
+            with self._lock:
+                h = self._require_open()
+                self._require_scanned()
+                if header.key in self._sizes:
+                    return total
+                if self._used + total > self._capacity:
+                    raise CapacityExhausted(
+                        f"ssd tier full: {self._used} of {self._capacity} bytes used, "
+                        f"page needs {total}"
+                    )
+                self._used += total  # held for it while it is written
             try:
-                h.db.write(batch, self._write_opts)
-            except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
-                self._files.release(seg, data.nbytes)
-                raise rocks_error("write", exc) from exc
-            self._sizes[header.key] = total
-            self._where[header.key] = (seg, offset, data.nbytes)
-            self._used += total
-            self._compact_sparse(h)
+                seg, offset = self._files.append(data)
+                try:
+                    if self._sync:
+                        self._files.sync()  # the payload is durable before the record naming it
+                    batch = WriteBatch(raw_mode=True)
+                    batch.put(header.key, encoded, h.headers_cf)
+                    batch.put(header.key, LOCATION.pack(seg, offset, data.nbytes), h.payloads_cf)
+                    try:
+                        h.db.write(batch, self._write_opts)
+                    except Exception as exc:  # rocksdict reports RocksDB errors as Exception
+                        raise rocks_error("write", exc) from exc
+                except BaseException:
+                    with self._lock:
+                        self._files.release(seg, data.nbytes)
+                    raise
+            except BaseException:
+                with self._lock:
+                    self._used -= total
+                raise
+            with self._lock:
+                self._sizes[header.key] = total
+                self._where[header.key] = (seg, offset, data.nbytes)
+                self._tombstones.pop(header.key, None)  # the new record replaces a pending delete
         return total
 
     def delete(self, key: bytes) -> int:
-        """Remove page `key` (header and payload, atomically); mutates. Returns bytes freed.
+        """Remove page `key`; mutates. Returns bytes freed (0 when the page is absent).
 
-        Returns 0 when the page is absent. Raises Unavailable on RocksDB errors or before the
-        pending scan. Works on a corrupt page too (it only writes tombstones).
+        No disk I/O: the page leaves the tier's accounting at once (reads miss it, its space is
+        free) and its RocksDB tombstones are queued for `flush_deletes` (the mover's pass, or
+        `flush`/`close`), so a caller holding a lock never waits on the disk for a delete. A
+        crash before the flush may bring the deleted page back at the next scan: whole and
+        verified, never damaged. Raises Unavailable before the pending scan. Works on a
+        corrupt page too.
         """
         _check_key(key)
         with self._lock:
-            h = self._require_open()
+            self._require_open()
             self._require_scanned()
             size = self._sizes.get(key)
             if size is None:
                 return 0
-            self._delete_keys(h, [key])
             del self._sizes[key]
             self._used -= size
             seg, _, length = self._where.pop(key)
+            self._tombstones[key] = seg
             self._files.release(seg, length)
         return size
+
+    def flush_deletes(self) -> int:
+        """Write the queued tombstones of deleted pages (one WriteBatch); how many. Raises
+        Unavailable when RocksDB fails (they stay queued)."""
+        with self._io_lock:
+            with self._lock:
+                if not self._tombstones:
+                    return 0
+                h = self._require_open()
+                keys = list(self._tombstones)
+            self._delete_keys(h, keys)  # no write can run meanwhile (it would re-put a key)
+            with self._lock:
+                for key in keys:
+                    self._tombstones.pop(key, None)
+        return len(keys)
+
+    def compact_step(self, max_bytes: int = 8 << 20) -> int:
+        """One bounded step of segment compaction: move at most `max_bytes` of live payloads
+        out of the sparsest segment file less than half live (the last move deletes the file).
+        Mutates; the mover calls it each pass, never under the store lock. Returns the bytes
+        moved (0: nothing to do). A failure leaves the pages where they were."""
+        with self._io_lock:
+            with self._lock:
+                h = self._require_open()
+                if not self._scanned:
+                    return 0
+            return self._compact_some(h, max_bytes)
 
     def scan(self) -> ScanResult:
         """Rebuild the accounting from the stored headers and return the valid ones; mutates.
@@ -326,7 +371,7 @@ class SsdTier:
         fresh column family (kvstore/tiers/rocks.py), so the neighbours of a bad entry survive
         and later compactions do not fail. Raises Unavailable after close or when RocksDB fails.
         """
-        with self._lock:
+        with self._io_lock, self._lock:  # at start-up: nothing else runs yet
             h = self._require_open()
             entries, damaged, complete = self._read_headers(h)
             headers: list[PageHeader] = []
@@ -362,7 +407,6 @@ class SsdTier:
             self._used = sum(sizes.values())
             self._scanned = True
             emptied = self._files.drop_empty()
-            self._compact_sparse(h)
         if bad:
             log.warning("ssd tier: dropped %d corrupt pages from %s", len(bad), self._path)
         log.info(
@@ -379,7 +423,8 @@ class SsdTier:
         """Sync the payload segment, flush memtables to SST files and sync the WAL; raises
         Unavailable on failure."""
         h = self._require_open()
-        with self._lock:
+        self.flush_deletes()
+        with self._io_lock:
             self._files.sync()
         try:
             h.headers.flush()
@@ -390,7 +435,9 @@ class SsdTier:
 
     def close(self) -> None:
         """Flush and close the database, releasing its LOCK; idempotent. Later calls raise Unavailable."""
-        with self._lock:
+        with contextlib.suppress(Unavailable):
+            self.flush_deletes()
+        with self._io_lock, self._lock:
             h, self._handles = self._handles, None
             if h is not None:
                 with contextlib.suppress(Unavailable):
@@ -441,38 +488,51 @@ class SsdTier:
         assert value is None or isinstance(value, bytes)
         return value
 
-    def _compact_sparse(self, h: RocksHandles) -> None:
-        """Rewrite the live payloads of segment files less than half live, so the files hold at
-        most about twice the live bytes. Lock held. A failure leaves the pages where they were."""
-        if self._compacting:
-            return
-        self._compacting = True
+    def _compact_some(self, h: RocksHandles, max_bytes: int) -> int:
+        """Move up to `max_bytes` of the live payloads of the sparsest segment less than half
+        live into the current segment (one WriteBatch of new locations). The I/O lock held, the
+        accounting lock only to plan and to apply (a page deleted meanwhile stays deleted)."""
+        with self._lock:
+            seg = self._files.sparse()
+            if seg is None:
+                return 0
+            moving: list[tuple[bytes, tuple[int, int, int]]] = []
+            planned = 0
+            for key, where in self._where.items():
+                if where[0] == seg:
+                    moving.append((key, where))
+                    planned += where[2]
+                    if planned >= max_bytes:
+                        break
+        if not moving:
+            return 0
+        batch = WriteBatch(raw_mode=True)
+        moved: list[tuple[bytes, tuple[int, int, int], tuple[int, int, int]]] = []
         try:
-            while (seg := self._files.sparse()) is not None:
-                moving = [(k, w) for k, w in self._where.items() if w[0] == seg]
-                batch = WriteBatch(raw_mode=True)
-                moved: list[tuple[bytes, tuple[int, int, int]]] = []
-                for key, (_, offset, length) in moving:
-                    payload = self._files.read(seg, offset, length)
-                    new_seg, new_offset = self._files.append(memoryview(payload))
-                    batch.put(key, LOCATION.pack(new_seg, new_offset, length), h.payloads_cf)
-                    moved.append((key, (new_seg, new_offset, length)))
-                if self._sync:
-                    self._files.sync()
-                try:
-                    h.db.write(batch, self._write_opts)
-                except Exception as exc:  # the copies are garbage; the old places stay valid
-                    for _, (new_seg, _, length) in moved:
-                        self._files.release(new_seg, length)
-                    raise rocks_error("compaction", exc) from exc
-                for key, new in moved:
+            for key, old in moving:
+                _, offset, length = old
+                payload = self._files.read(seg, offset, length)
+                new_seg, new_offset = self._files.append(memoryview(payload))
+                batch.put(key, LOCATION.pack(new_seg, new_offset, length), h.payloads_cf)
+                moved.append((key, old, (new_seg, new_offset, length)))
+            if self._sync:
+                self._files.sync()
+            h.db.write(batch, self._write_opts)
+        except Exception as exc:  # the copies are garbage; the old places stay valid
+            with self._lock:
+                for _, _, (new_seg, _, length) in moved:
+                    self._files.release(new_seg, length)
+            log.warning("ssd tier: compaction step stopped: %s", exc)
+            return 0
+        with self._lock:
+            for key, old, new in moved:
+                if self._where.get(key) == old:
                     self._where[key] = new
-                    self._files.release(seg, new[2])  # the last one deletes the old file
-                log.info("ssd tier: compacted segment %d (%d pages moved)", seg, len(moved))
-        except (Corrupt, Unavailable) as exc:
-            log.warning("ssd tier: compaction stopped: %s", exc)
-        finally:
-            self._compacting = False
+                    self._files.release(seg, old[2])  # the last one deletes the old file
+                else:  # deleted meanwhile: its tombstone (queued) covers the new record too
+                    self._files.release(new[0], new[2])
+        log.debug("ssd tier: compaction moved %d pages out of segment %d", len(moved), seg)
+        return sum(new[2] for _, _, new in moved)
 
     def _delete_keys(self, h: RocksHandles, keys: list[bytes]) -> None:
         batch = WriteBatch(raw_mode=True)

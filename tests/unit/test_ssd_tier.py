@@ -319,10 +319,19 @@ def test_sparse_segments_are_compacted_and_empty_ones_deleted(db_path: Path) -> 
         for header, _ in pages[:n]:  # all of the first file: it goes at once
             tier.delete(header.key)
         assert "00000001.seg" not in _segment_files(db_path)
-        for header, _ in pages[n : 2 * n - 5]:  # most of the second: compacted at the next write
+        for header, _ in pages[n : 2 * n - 5]:  # most of the second: compacted in steps
             tier.delete(header.key)
         assert "00000002.seg" in _segment_files(db_path)
         tier.write(*pages[3 * n])
+        assert "00000002.seg" in _segment_files(db_path)  # a write never compacts
+        step = 2 * make_scope().page_payload_bytes  # two pages per step: a bounded step
+        assert tier.compact_step(step) == step
+        assert "00000002.seg" in _segment_files(db_path)  # 3 of its 5 live pages left
+        steps = 1
+        while tier.compact_step(step):
+            steps += 1
+            assert steps < 10
+        assert steps == 3  # 2 + 2 + 1 pages
         assert "00000002.seg" not in _segment_files(db_path)
         files = tier._files
         assert files.disk_bytes <= 2 * tier.used_bytes + files._segment_bytes
@@ -359,7 +368,8 @@ def test_a_read_racing_a_compaction_finds_the_moved_payload(db_path: Path) -> No
             if not raced:  # between the location lookup and the read, the page moves
                 raced.append(seg)
                 tier._files.read_into = real_read  # type: ignore[method-assign]
-                tier.write(*pages[2 * n])  # segment 1 (one page live) is compacted
+                tier.write(*pages[2 * n])
+                assert tier.compact_step() > 0  # segment 1 (one page live) is compacted
                 assert f"{seg:08d}.seg" not in _segment_files(db_path)
             real_read(seg, offset, length, dest)
 
