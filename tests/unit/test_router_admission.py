@@ -356,6 +356,30 @@ def test_low_hit_requests_keep_their_part_of_a_class_share() -> None:
     assert admitted[0.3]["h"] > 400  # and the flood still fills the rest
 
 
+def test_a_loose_class_may_not_slow_down_a_tight_class_batch() -> None:
+    tight = SloClass("tight", ttft_s=10.0, tpot_s=0.0095)
+    loose = SloClass("loose", ttft_s=10.0, tpot_s=1.0)
+    config = AdmissionConfig(classes=(tight, loose), default_class="loose")
+    core = core_for(config)
+    workers = [
+        WorkerView("p:1", Role.prefill, "A", "m", PAGE),
+        WorkerView("d:1", Role.decode, "A", "m", PAGE, running_requests=2,
+                   running_context_tokens=2000),
+    ]  # fmt: skip
+    # a tight request joins the batch: 3 -> 8 + 3 x 0.5 = 9.5 ms per token, just within target
+    first = core.decide(req("t", max_tokens=100, slo="tight"), workers, 0.0, random.Random(0))
+    assert isinstance(first, Placement)
+    # a loose one joining for the whole of the tight one's run: 4 -> 10 ms, fine for its own
+    # class, too slow for the tight one
+    second = core.decide(req("l1", max_tokens=100, slo="loose"), workers, 0.0, random.Random(0))
+    assert isinstance(second, Refusal) and second.reason is RefusalReason.tpot_slo
+    assert "tight" not in second.detail and "d:1" in second.detail and second.retry_after_s > 0
+    # once the tight request is done, the loose one is welcome
+    core.on_finish("t", 1.0, output_tokens=10)
+    third = core.decide(req("l2", max_tokens=100, slo="loose"), workers, 1.0, random.Random(0))
+    assert isinstance(third, Placement)
+
+
 def test_config_from_mapping() -> None:
     config = AdmissionConfig.from_mapping(
         {

@@ -4,8 +4,10 @@ A request is refused (never queued at the router) when
 
 - its predicted TTFT breaks its class's target (`ttft_slo`), retry after the predicted queue
   drain that would bring it back under the target;
-- its predicted TPOT breaks the class's target (`tpot_slo`), retry after the predicted time for
-  enough of the decode batch to finish. In the default "predicted" mode TPOT is the decode
+- its predicted TPOT breaks the class's target, or the tightest TPOT target of the requests it
+  admitted to that decode worker that are still running (`tpot_slo`: a loose-class newcomer may
+  not slow down a tight-class batch), retry after the predicted time for enough of the decode
+  batch to finish. In the default "predicted" mode TPOT is the decode
   worker's batch at the moment the prefill finishes (departures and the ledger's joins counted,
   see estimate.py), so admission does not swing with the momentary batch; "current" takes the
   batch as reported now and exists as the baseline to compare against;
@@ -118,6 +120,9 @@ class Admission:
         self._largest: dict[str, _Peak] = {key: _Peak() for key in self._groups}
         self._last_asked: dict[str, float] = {}
         self._inflight: dict[str, str] = {}  # request id -> class name
+        # decode worker -> {request id: its TPOT target}: what a newcomer must not break
+        self._decoding: dict[str, dict[str, float]] = {}
+        self._decode_of: dict[str, str] = {}
         self._started_s: float | None = None
         self.admitted: dict[str, int] = {c.name: 0 for c in self.config.classes}
         self.refused: dict[tuple[str, RefusalReason], int] = {}
@@ -193,12 +198,21 @@ class Admission:
                 )
             return self._refuse(slo, reason, max(ttft - limit, MIN_RETRY_S), detail, placement)
         tpot = self._tpot(request, placement, workers, now, model or self.model)
-        if tpot > slo.tpot_s:
-            retry = self._tpot_retry(request, placement, workers, now, slo, model or self.model)
-            detail = (
-                f"predicted TPOT {tpot * 1e3:.1f}ms > {slo.name} target {slo.tpot_s * 1e3:.1f}ms "
-                f"({self.mode} decode load)"
-            )
+        others = self._decoding.get(placement.decode_id)
+        tightest = min(others.values()) if others else math.inf
+        target = min(slo.tpot_s, tightest)
+        if tpot > target:
+            retry = self._tpot_retry(request, placement, workers, now, target, model or self.model)
+            if tpot > slo.tpot_s:
+                detail = (
+                    f"predicted TPOT {tpot * 1e3:.1f}ms > {slo.name} target "
+                    f"{slo.tpot_s * 1e3:.1f}ms ({self.mode} decode load)"
+                )
+            else:
+                detail = (
+                    f"predicted TPOT {tpot * 1e3:.1f}ms would break the "
+                    f"{tightest * 1e3:.1f}ms target of requests decoding on {placement.decode_id}"
+                )
             return self._refuse(slo, RefusalReason.tpot_slo, retry, detail, placement)
         return placement
 
@@ -209,6 +223,9 @@ class Admission:
         self._rates[group].add(placement.prefill_work_s, now, self.config.share_window_s)
         self._inflight[request.request_id] = slo.name
         self.admitted[slo.name] += 1
+        if not math.isinf(slo.tpot_s):
+            self._decoding.setdefault(placement.decode_id, {})[request.request_id] = slo.tpot_s
+            self._decode_of[request.request_id] = placement.decode_id
 
     def on_first_token(self, request_id: str, now: float) -> None:
         """The prefill finished. (Shares count admitted work, so nothing changes yet.)"""
@@ -216,6 +233,13 @@ class Admission:
     def on_finish(self, request_id: str, now: float) -> None:
         """The request ended (done, failed or cancelled)."""
         self._inflight.pop(request_id, None)
+        worker = self._decode_of.pop(request_id, None)
+        if worker is not None:
+            targets = self._decoding.get(worker)
+            if targets is not None:
+                targets.pop(request_id, None)
+                if not targets:
+                    del self._decoding[worker]
 
     def inflight(self, name: str) -> int:
         return sum(1 for c in self._inflight.values() if c == name)
@@ -277,10 +301,10 @@ class Admission:
         placement: Placement,
         workers: Sequence[WorkerView],
         now: float,
-        slo: SloClass,
+        target_s: float,
         model: TimeModel | None,
     ) -> float:
-        """Predicted time until the decode batch is small enough for the class's TPOT target."""
+        """Predicted time until the decode batch is small enough for a TPOT of `target_s`."""
         view = self._decode_view(placement, workers)
         if model is None or view is None or view.running_requests == 0:
             return max(placement.predicted_ttft_s, MIN_RETRY_S)
@@ -290,7 +314,7 @@ class Admission:
         fits = 0
         for size in range(batch, -1, -1):
             cost = model.decode_step_s(size + 1, (size + 1) * per_request)
-            if cost <= slo.tpot_s:
+            if cost <= target_s:
                 fits = size
                 break
         excess = max(batch - fits, 1)
