@@ -19,6 +19,12 @@ With `low_hit_share` set, each class's share is split in two share groups: its l
 flood of cheap, high-hit requests cannot keep the queues too full for requests that must compute
 most of their prompt (and the other way round). Groups are judged by the same rule as classes.
 
+With `tenants` given (tenant -> weight), every group is split once more by tenant
+("<group>@<tenant>"), each tenant guaranteed `weight / sum(weights)` of its class's share: a
+tenant's flood is past its share and must leave headroom for every other tenant within its own,
+so one tenant cannot starve another of the same class (and a request of a tenant not in the
+map is refused with UnknownTenant, a bug in the caller).
+
 Shares: each class is guaranteed `share / sum(shares)` of the prefill pool's capacity (one second
 of prefill work per second per prefill worker), measured as its admitted work over the last
 `share_window_s` (an exponentially decaying sum). A class within its share is judged only on its
@@ -36,10 +42,10 @@ Mutates only its own bookkeeping (`on_dispatch`, `on_first_token`, `on_finish`);
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.router.core.errors import UnknownSloClass
+from engine.router.core.errors import ErrorKind, RouterError, UnknownSloClass
 from engine.router.core.estimate import estimate_tpot
 from engine.router.core.slo import AdmissionConfig, SloClass
 from engine.router.core.timemodel import TimeModel
@@ -53,6 +59,7 @@ from engine.router.core.types import (
 
 MIN_RETRY_S = 0.05  # the smallest retry hint: a refusal always says "later", never "now"
 HEADROOM_MARGIN = 0.1  # a protected group's largest request is given this much more room
+INFLIGHT_MAX_AGE_S = 3600.0  # a request whose finish was never reported is forgotten after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +70,14 @@ class _Group:
     fraction: float  # of the prefill pool's capacity
 
 
-def _groups(config: AdmissionConfig) -> dict[str, _Group]:
+class UnknownTenant(RouterError):
+    """A request of a tenant that the admission's tenant map does not have."""
+
+    def __init__(self, tenant: str) -> None:
+        super().__init__(ErrorKind.internal, f"tenant {tenant!r} has no admission share")
+
+
+def _groups(config: AdmissionConfig, tenants: Mapping[str, float] | None) -> dict[str, _Group]:
     out: dict[str, _Group] = {}
     low = config.low_hit_share
     for slo in config.classes:
@@ -73,7 +87,14 @@ def _groups(config: AdmissionConfig) -> dict[str, _Group]:
         else:
             out[f"{slo.name}/low_hit"] = _Group(slo, fraction * low)
             out[f"{slo.name}/hit"] = _Group(slo, fraction * (1.0 - low))
-    return out
+    if not tenants:
+        return out
+    total = sum(tenants.values())
+    return {
+        f"{key}@{tenant}": _Group(group.slo, group.fraction * weight / total)
+        for key, group in out.items()
+        for tenant, weight in tenants.items()
+    }
 
 
 @dataclass(slots=True)
@@ -110,18 +131,28 @@ class _Peak:
 
 class Admission:
     def __init__(
-        self, config: AdmissionConfig | None = None, *, model: TimeModel | None = None
+        self,
+        config: AdmissionConfig | None = None,
+        *,
+        model: TimeModel | None = None,
+        tenants: Mapping[str, float] | None = None,
     ) -> None:
-        """`model` is needed for mode "current" (it re-prices TPOT) and for TPOT retry hints."""
+        """`model` is needed for mode "current" (it re-prices TPOT) and for TPOT retry hints;
+        `tenants` (tenant -> share weight, each > 0) splits every share group by tenant."""
         self.config = config if config is not None else AdmissionConfig()
         self.model = model
-        self._groups = _groups(self.config)
+        for tenant, weight in (tenants or {}).items():
+            if not weight > 0 or math.isinf(weight):
+                raise ValueError(f"tenant {tenant!r}: share must be a positive number")
+        self.tenants = dict(tenants or {})
+        self._groups = _groups(self.config, self.tenants)
         self._rates: dict[str, _Rate] = {key: _Rate() for key in self._groups}
         self._largest: dict[str, _Peak] = {key: _Peak() for key in self._groups}
         self._last_asked: dict[str, float] = {}
         self._inflight: dict[str, str] = {}  # request id -> class name
-        # decode worker -> {request id: its TPOT target}: what a newcomer must not break
-        self._decoding: dict[str, dict[str, float]] = {}
+        # decode worker -> {request id: (its TPOT target, dispatch time)}: what a newcomer must
+        # not break; an entry whose finish never came is forgotten after INFLIGHT_MAX_AGE_S
+        self._decoding: dict[str, dict[str, tuple[float, float]]] = {}
         self._decode_of: dict[str, str] = {}
         self._started_s: float | None = None
         self.admitted: dict[str, int] = {c.name: 0 for c in self.config.classes}
@@ -143,9 +174,16 @@ class Admission:
         whether it is low-hit ("<class>/low_hit") or not ("<class>/hit")."""
         slo = self.resolve(request.slo_class)
         if self.config.low_hit_share <= 0:
-            return slo.name
-        hit = request.prefix.hit_pages * request.page_tokens / request.prompt_tokens
-        return f"{slo.name}/low_hit" if hit < self.config.low_hit_ratio else f"{slo.name}/hit"
+            group = slo.name
+        else:
+            hit = request.prefix.hit_pages * request.page_tokens / request.prompt_tokens
+            low = hit < self.config.low_hit_ratio
+            group = f"{slo.name}/low_hit" if low else f"{slo.name}/hit"
+        if not self.tenants:
+            return group
+        if request.tenant not in self.tenants:
+            raise UnknownTenant(request.tenant)
+        return f"{group}@{request.tenant}"
 
     def work_rate(self, group: str, now: float) -> float:
         """A share group's (or a class's, all its groups) admitted prefill work per second over
@@ -198,8 +236,7 @@ class Admission:
                 )
             return self._refuse(slo, reason, max(ttft - limit, MIN_RETRY_S), detail, placement)
         tpot = self._tpot(request, placement, workers, now, model or self.model)
-        others = self._decoding.get(placement.decode_id)
-        tightest = min(others.values()) if others else math.inf
+        tightest = self._tightest_tpot(placement.decode_id, now)
         target = min(slo.tpot_s, tightest)
         if tpot > target:
             retry = self._tpot_retry(request, placement, workers, now, target, model or self.model)
@@ -224,7 +261,8 @@ class Admission:
         self._inflight[request.request_id] = slo.name
         self.admitted[slo.name] += 1
         if not math.isinf(slo.tpot_s):
-            self._decoding.setdefault(placement.decode_id, {})[request.request_id] = slo.tpot_s
+            targets = self._decoding.setdefault(placement.decode_id, {})
+            targets[request.request_id] = (slo.tpot_s, now)
             self._decode_of[request.request_id] = placement.decode_id
 
     def on_first_token(self, request_id: str, now: float) -> None:
@@ -240,6 +278,16 @@ class Admission:
                 targets.pop(request_id, None)
                 if not targets:
                     del self._decoding[worker]
+
+    def _tightest_tpot(self, decode_id: str, now: float) -> float:
+        targets = self._decoding.get(decode_id)
+        if not targets:
+            return math.inf
+        stale = [r for r, (_, at) in targets.items() if now - at > INFLIGHT_MAX_AGE_S]
+        for request_id in stale:
+            self.on_finish(request_id, now)
+        targets = self._decoding.get(decode_id)
+        return min(t for t, _ in targets.values()) if targets else math.inf
 
     def inflight(self, name: str) -> int:
         return sum(1 for c in self._inflight.values() if c == name)

@@ -17,6 +17,7 @@ class ErrorKind(StrEnum):
     unknown_model = "unknown_model"  # the model is not served here (404)
     context_length = "context_length"  # prompt + max_tokens past the model's context (400)
     unauthorized = "unauthorized"  # missing or unknown API key (401)
+    forbidden = "forbidden"  # the key may not do this (an SLO class it is not allowed) (403)
     rate_limited = "rate_limited"  # admission refused: SLO, class share or tenant limit (429)
     overloaded = "overloaded"  # workers exist but none can take more now (503)
     no_worker = "no_worker"  # no healthy worker for the model (503)
