@@ -35,6 +35,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         metavar="SECTION.KEY=VALUE",
         help="any config value, e.g. --set ssd.admission=second-hit (repeatable)",
     )
+    p.add_argument(
+        "--check-integrity-on-exit",
+        action="store_true",
+        help="on SIGTERM/SIGINT, run the store's check_integrity() before closing it and print "
+        "'integrity: ok' or 'integrity: FAILED: ...' (exit status 3) (chaos runs, tests)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -99,5 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     while not stop.wait(1.0):
         pass
     print("strata store stopping", flush=True)
+    code = 0
+    if ns.check_integrity_on_exit and daemon.store is not None:
+        try:
+            daemon.store.check_integrity()
+            daemon.store.tiers.dram.check_integrity()
+            print("integrity: ok", flush=True)
+        except (RuntimeError, AssertionError) as exc:
+            print(f"integrity: FAILED: {exc}", flush=True)
+            code = 3
     daemon.stop()
-    return 0
+    return code

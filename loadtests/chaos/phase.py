@@ -372,17 +372,23 @@ def _leaks(env: PhaseEnv) -> int:
                 left = ", ".join(f"{t.tier.name.lower()} {t.used_bytes} B" for t in s.tiers)
                 env.notes.append(f"node{n}: {s.pages} pages left after deleting all ({left})")
         env.mark(f"node{n} checked")
+    verdicts: list[str] = []
     for n, daemon in enumerate(env.daemons):
         code = daemon.stop()
-        text = "\n".join(daemon.output)
-        if "integrity: FAILED" in text:
+        said = [x.strip() for x in daemon.output if x.startswith("integrity: ")]
+        if said and said[-1].startswith("integrity: FAILED"):
             leaks += 1
-            line = next(x for x in daemon.output if "integrity: FAILED" in x)
-            env.notes.append(f"node{n}: {line.strip()}")
-        elif daemon_has_flag(INTEGRITY_FLAG) and "integrity: ok" not in text:
+            env.notes.append(f"node{n}: {said[-1]}")
+            verdicts.append(said[-1].removeprefix("integrity: "))
+        elif said:
+            verdicts.append(said[-1].removeprefix("integrity: "))
+        elif daemon_has_flag(INTEGRITY_FLAG):
             env.notes.append(f"node{n}: no integrity verdict at stop (exit code {code})")
+            verdicts.append(f"no verdict (exit code {code})")
     if not daemon_has_flag(INTEGRITY_FLAG):
         env.details["check_integrity"] = "not reachable: strata serve has no " + INTEGRITY_FLAG
+    else:
+        env.details["check_integrity"] = "; ".join(verdicts)
     env.daemons.clear()
     return leaks
 

@@ -77,6 +77,7 @@ def test_chaos_short_run_serves_nothing_wrong_and_leaks_nothing(tmp_path: Path) 
         assert f["wrong"] == 0, table
         assert f["leaks"] == 0, table
         assert f["availability"]["calls"] > 0, f
+        assert f["details"]["check_integrity"] == "ok", f  # strata serve --check-integrity-on-exit
     by = {f["fault"]: f for f in summary["faults"]}
     assert by["kill-9"]["details"]["kills"] == 2
     assert by["flip-bytes"]["details"]["bytes_flipped"] > 0
