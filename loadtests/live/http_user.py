@@ -42,6 +42,9 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
         "temperature": 0.0,
+        # Each streamed token's id (Strata's extension): a token whose text is still an
+        # incomplete character arrives with empty text and is counted by its id.
+        "return_token_ids": True,
     }
 
 
@@ -92,8 +95,13 @@ def stream_completion(
                             (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                         )
                     for choice in chunk.get("choices") or ():
-                        if choice.get("text") or choice.get("token_ids"):
-                            times.append(now())
+                        ids = choice.get("token_ids")
+                        if ids:
+                            times.extend(
+                                [now()] * len(ids)
+                            )  # every token, gaps of 0 within a chunk
+                        elif ids is None and choice.get("text"):
+                            times.append(now())  # a server without token ids: one per text chunk
                 if not times and status == "ok":
                     status, error = "failed", "the stream ended without a token"
     except httpx.TimeoutException as exc:
