@@ -5,6 +5,8 @@ GET /health, GET /metrics (Prometheus text), GET /debug/decisions (the latest de
 each candidate's predicted cost and why it lost), GET /debug/workers (the registry: source,
 liveness, report age, last error) and FastAPI's GET /openapi.json. Every error,
 the framework's own validation errors included, goes through `http_errors` (one table).
+With API keys (engine.router.tenancy) the /v1 routes need `Authorization: Bearer KEY` (or
+`x-api-key`) and /debug needs a key marked `debug`; /health and /metrics stay open.
 Responses to a placed request carry `x-strata-prefill`, `x-strata-decode`,
 `x-strata-predicted-ttft-ms`, `x-strata-predicted-tpot-ms` and `x-request-id`.
 """
@@ -15,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,13 +40,16 @@ from engine.router.protocol import (
 )
 from engine.router.service import RouterService
 from engine.router.streaming import collect, sse_events, usage_of
+from engine.router.tenancy import Grant
 
 ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorResponse, "description": what}
     for status, what in (
         (400, "malformed body, bad field value, or a prompt past the context"),
+        (401, "no API key, or a wrong one (when the router enforces keys)"),
+        (403, "the API key may not use the SLO class"),
         (404, "unknown model"),
-        (429, "refused by admission (Retry-After)"),
+        (429, "refused by admission, or past the API key's rate limits (Retry-After)"),
         (503, "no worker can serve (Retry-After)"),
     )
 }
@@ -73,6 +78,15 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
             yield
         finally:
             await service.stop()
+
+    async def caller(request: Request) -> Grant:
+        """The request's API key (401 without a valid one when keys are enforced)."""
+        headers = request.headers
+        return service.tenancy.authenticate(headers.get("authorization"), headers.get("x-api-key"))
+
+    async def debug_caller(grant: Annotated[Grant, Depends(caller)]) -> Grant:
+        service.tenancy.check_debug(grant)
+        return grant
 
     app = FastAPI(
         title="Strata router",
@@ -104,10 +118,11 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
     async def completions(
         body: CompletionRequest,
+        grant: Annotated[Grant, Depends(caller)],
         x_strata_slo_class: Annotated[str | None, Header()] = None,
     ) -> Response:
-        prepared = service.prepare(body, x_strata_slo_class)
-        run = await service.dispatcher.start(prepared.job)
+        prepared = service.prepare(body, x_strata_slo_class, grant)
+        run = await service.dispatch(prepared)
         model = prepared.job.model.model_id
         headers = _placement_headers(run)
         if body.stream:
@@ -141,10 +156,11 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(
         body: ChatCompletionRequest,
+        grant: Annotated[Grant, Depends(caller)],
         x_strata_slo_class: Annotated[str | None, Header()] = None,
     ) -> Response:
-        prepared = service.prepare(body, x_strata_slo_class)
-        run = await service.dispatcher.start(prepared.job)
+        prepared = service.prepare(body, x_strata_slo_class, grant)
+        run = await service.dispatch(prepared)
         model = prepared.job.model.model_id
         headers = _placement_headers(run)
         if body.stream:
@@ -175,7 +191,7 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         )
         return JSONResponse(response.model_dump(), headers=headers)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(caller)])
     async def models() -> ModelList:
         return ModelList(
             data=[
@@ -206,12 +222,12 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         data, content_type = service.metrics.render()
         return Response(content=data, media_type=content_type)
 
-    @app.get("/debug/decisions")
+    @app.get("/debug/decisions", dependencies=[Depends(debug_caller)])
     async def decisions(limit: int = 50) -> JSONResponse:
         items = list(service.dispatcher.decisions)[-max(1, min(limit, 1000)) :]
         return JSONResponse({"decisions": items})
 
-    @app.get("/debug/workers")
+    @app.get("/debug/workers", dependencies=[Depends(debug_caller)])
     async def workers() -> JSONResponse:
         now = service.registry.clock()
         live = {h.address for h in service.registry.live(now)}

@@ -3,10 +3,13 @@
 strata router --workers HOST:PORT,HOST:PORT --store ADDR --profile PROFILE.json [--port N]
 strata router --config router.toml [--port N] ...
 strata router --etcd HOST:2379 [--cluster NAME] --profile PROFILE.json   (workers register there)
+strata router ... --api-keys KEYS.toml        (enforce API keys: engine.router.tenancy)
 
 The first line on stdout names the base URL ("strata router serving on http://HOST:PORT/v1";
 --port 0 picks a free port). The HTTP server is FastAPI on uvicorn (as vLLM and SGLang serve
-theirs); the router has no API keys and listens on loopback unless --host says otherwise.
+theirs). It listens on loopback unless --host says otherwise. Without --api-keys it is open (any
+caller, one namespace) and says so; it refuses to listen open on a non-loopback address unless
+--allow-open is given (docs/security.md).
 SIGTERM or Ctrl-C stops it (streams in flight are cancelled on their workers).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import ipaddress
 import logging
 import signal
 import socket
@@ -35,9 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="the workers' store: HOST:PORT, a list, or etcd://HOST/NAME")
     p.add_argument("--profile", help="time model JSON (strata profile)")
     p.add_argument("--policy", help="strata | round_robin | least_load | longest_prefix")
+    p.add_argument("--api-keys", dest="api_keys", help="API key file (TOML): enforce its keys")
+    p.add_argument(
+        "--allow-open",
+        dest="allow_open",
+        action="store_const",
+        const=True,
+        help="listen on a non-loopback address without API keys (anyone who reaches it may use it)",
+    )
     p.add_argument("--drop-after", type=float, dest="drop_after_s", help="silent worker (s)")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or "localhost") is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -78,6 +100,12 @@ def serve(
 
     if not config.profile:
         raise ValueError("a time model is required: --profile PATH (written by strata profile)")
+    if not config.api_keys and not config.allow_open and not is_loopback(config.host):
+        raise ValueError(
+            f"refusing to listen on {config.host} without API keys: anyone who reaches it could "
+            "use every worker and read the shared cache's timing. Give --api-keys FILE, or "
+            "--allow-open to run open anyway"
+        )
     time_model = TimeModel.load(config.profile)
     listener = sock or bind(config.host, config.port)
     host, port = listener.getsockname()[:2]
@@ -89,7 +117,13 @@ def serve(
             print(f"  workers: {', '.join(config.workers) or '-'}", flush=True)
             print(f"  etcd: {config.etcd or '-'}  store: {config.store or 'none'}", flush=True)
             print(f"  policy: {config.policy}; profile {config.profile}", flush=True)
-            print("  open access (no API keys); stop with Ctrl-C or SIGTERM", flush=True)
+            if config.api_keys:
+                access = f"API keys enforced from {config.api_keys}"
+            elif is_loopback(host):
+                access = "open access (no API keys), loopback only"
+            else:
+                access = f"OPEN ACCESS on {host} (no API keys; --allow-open)"
+            print(f"  {access}; stop with Ctrl-C or SIGTERM", flush=True)
 
     service = RouterService(config, time_model)
     app = create_app(service, on_ready=ready)

@@ -15,6 +15,8 @@
     min_stall_s = 10.0        # a worker silent this long in a call (and 20x its prediction)
                               # is given up on: the prefill or decode goes to another
     debug_decisions = 256     # decisions kept for GET /debug/decisions
+    api_keys = ""             # API key file (engine.router.tenancy); "" = open, loopback only
+    allow_open = false        # listen on a non-loopback host without API keys anyway
 
     [admission]               # SLO classes: see engine.router.core.slo
     default_class = "standard"
@@ -56,6 +58,8 @@ class RouterConfig:
     min_stall_s: float = 10.0
     debug_decisions: int = 256
     seed: int = 0
+    api_keys: str = ""
+    allow_open: bool = False
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import random
 import time
@@ -33,6 +34,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from client import Scope
 from engine.router.core.errors import ErrorKind
 from engine.router.core.router import RouterCore, explain
 from engine.router.core.types import (
@@ -76,6 +78,13 @@ class Job:
     max_tokens: int
     slo_class: str = ""
     tenant: str = ""
+    namespace: str = ""  # the scope namespace its pages live in (from its API key and salt)
+
+    @property
+    def scope(self) -> Scope:
+        """The model's scope in this job's namespace."""
+        scope = self.model.scope
+        return dataclasses.replace(scope, namespace=self.namespace) if self.namespace else scope
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +179,7 @@ class Run:
             prompt_token_ids=list(job.prompt_ids),
             output_token_ids=list(self.produced),
             sampling=job.sampling,
+            namespace=job.namespace,
         )
         call = handle.decode_stub().Decode(request, timeout=d.decode_timeout_s)
         self._call = call
@@ -303,7 +313,7 @@ class Dispatcher:
         prefill attempt failed."""
         started = self.clock()
         model = job.model
-        hit = await asyncio.to_thread(self.lookup.lookup, model.scope, job.prompt_ids)
+        hit = await asyncio.to_thread(self.lookup.lookup, job.scope, job.prompt_ids)
         view = RequestView(
             request_id=job.request_id,
             prompt_tokens=len(job.prompt_ids),
@@ -389,7 +399,10 @@ class Dispatcher:
         if handle is None:
             raise _gone(address)
         request = pb.PrefillRequest(
-            request_id=job.request_id, token_ids=list(job.prompt_ids), sampling=job.sampling
+            request_id=job.request_id,
+            token_ids=list(job.prompt_ids),
+            sampling=job.sampling,
+            namespace=job.namespace,
         )
         reply: pb.PrefillResponse = await handle.prefill_stub().Prefill(
             request,

@@ -18,7 +18,8 @@ from engine.router.core.errors import ErrorKind, RouterError
 STATUS: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.invalid_request: (400, "invalid_request_error"),
     ErrorKind.context_length: (400, "invalid_request_error"),
-    ErrorKind.unauthorized: (401, "authentication_error"),
+    ErrorKind.unauthorized: (401, "invalid_request_error"),
+    ErrorKind.forbidden: (403, "permission_error"),
     ErrorKind.unknown_model: (404, "not_found_error"),
     ErrorKind.rate_limited: (429, "rate_limit_error"),
     ErrorKind.upstream_failed: (502, "api_error"),
@@ -30,6 +31,8 @@ STATUS: dict[ErrorKind, tuple[int, str]] = {
 # kind -> the OpenAI-style "code"
 _CODES: dict[ErrorKind, str] = {
     ErrorKind.context_length: "context_length_exceeded",
+    ErrorKind.unauthorized: "invalid_api_key",
+    ErrorKind.forbidden: "permission_denied",
     ErrorKind.unknown_model: "model_not_found",
     ErrorKind.rate_limited: "rate_limit_exceeded",
     ErrorKind.no_worker: "no_worker",

@@ -5,7 +5,9 @@ send fields of newer API versions); a known field with a value the router cannot
 validation error (HTTP 400): `n` other than 1, a negative temperature, `top_p` outside (0, 1],
 more than 16 stop strings. Strata's extensions: `slo_class` (also the `x-strata-slo-class`
 header), `top_k`, `ignore_eos` and `return_token_ids` (the token ids in each choice, for tests
-and tools that must compare tokens).
+and tools that must compare tokens). `cache_salt` (as vLLM accepts it) keys the request's pages
+in a namespace of their own within the caller's: requests with different salts share no page.
+Nothing a request sends chooses its namespace: the API key does (engine.router.tenancy).
 
 Imports pydantic only (nothing heavy).
 """
@@ -51,6 +53,7 @@ class _Sampling(_Request):
     ignore_eos: bool = False
     slo_class: str | None = Field(default=None, max_length=128)
     return_token_ids: bool = False
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("stop")
     @classmethod

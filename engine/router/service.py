@@ -20,19 +20,21 @@ from engine.router.core.policies import build_policy
 from engine.router.core.prediction import PredictionTracker
 from engine.router.core.router import RouterCore
 from engine.router.core.timemodel import TimeModel
-from engine.router.dispatch import Dispatcher, Job
+from engine.router.dispatch import Dispatcher, Job, Run
 from engine.router.http_errors import HttpError
 from engine.router.lookup import StoreLookup
 from engine.router.membership import WorkerWatch
 from engine.router.metrics import RouterMetrics
 from engine.router.protocol import ChatCompletionRequest, CompletionRequest
 from engine.router.registry import ModelInfo, Registry
+from engine.router.tenancy import Grant, load_tenancy
 from engine.store_spec import parse_store
 from kvstore_pb import engine_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 SLO_HEADER = "x-strata-slo-class"
+OPEN = Grant(None, "", "")  # the caller of a router without API keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class Prepared:
     job: Job
     response_id: str
     created: int
+    grant: Grant = OPEN
 
 
 class RouterService:
@@ -55,10 +58,15 @@ class RouterService:
             rpc_timeout_s=config.rpc_timeout_s,
         )
         self.lookup = StoreLookup(parse_store(config.store))
+        # API keys (or open): tenants, namespaces, limits; tenants also split admission shares
+        self.tenancy = load_tenancy(
+            config.api_keys, tuple(c.name for c in config.admission.classes)
+        )
+        tenants = self.tenancy.table.shares() if self.tenancy.table is not None else None
         self.tracker = PredictionTracker()  # scored by the core (first token, finish)
         self.core = RouterCore(
             build_policy(config.policy),
-            Admission(config.admission, model=time_model),
+            Admission(config.admission, model=time_model, tenants=tenants),
             time_model,
             DispatchLedger(),
             tracker=self.tracker,
@@ -138,8 +146,11 @@ class RouterService:
         self,
         req: CompletionRequest | ChatCompletionRequest,
         slo_header: str | None,
+        grant: Grant | None = None,
     ) -> Prepared:
-        """Model, class, prompt tokens and sampling of a request; HttpError for a bad one."""
+        """Model, class, prompt tokens and sampling of a request, checked against the caller's
+        key (`grant`: its class allowed, its limits charged, its namespace); HttpError for a bad
+        one."""
         model = self.model(req.model)
         slo = self.slo_class(slo_header, req.slo_class)
         if isinstance(req, ChatCompletionRequest):
@@ -188,7 +199,37 @@ class RouterService:
             sampling.top_p = req.top_p
         if req.seed is not None:
             sampling.seed = req.seed
+        caller = self.tenancy.admit(
+            grant or OPEN,
+            slo,
+            len(ids) + max_tokens,
+            time.monotonic(),
+            req.cache_salt,
+        )
         prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        job = Job(request_id, model, tuple(ids), sampling, max_tokens, slo)
-        return Prepared(job, request_id, int(time.time()))
+        job = Job(
+            request_id,
+            model,
+            tuple(ids),
+            sampling,
+            max_tokens,
+            slo,
+            tenant=caller.tenant,
+            namespace=caller.namespace,
+        )
+        return Prepared(job, request_id, int(time.time()), caller)
+
+    async def dispatch(self, prepared: Prepared) -> Run:
+        """Place and prefill a prepared request; a refusal gives the caller's limits back what
+        the request was charged (it did not run)."""
+        try:
+            return await self.dispatcher.start(prepared.job)
+        except HttpError:
+            self.tenancy.refund(
+                prepared.grant,
+                requests=1,
+                tokens=prepared.grant.charged_tokens,
+                now=time.monotonic(),
+            )
+            raise

@@ -2,6 +2,7 @@
 
 strata up [--preset small|tiny | --model PATH] [--prefill N] [--decode M] [--colocated]
           [--port 8000] [--data-dir DIR] [--profile PATH] [--router-config TOML]
+          [--api-keys FILE]
 
 Starts, as child processes on loopback: a store daemon (`strata serve`), N prefill and M decode
 workers (or M co-located ones with --colocated) and the router (`strata router`). On first run
@@ -12,7 +13,8 @@ It prints the base URL, the model name and ready-to-paste curl and OpenAI-client
 Ctrl-C or SIGTERM stops everything in order — router, workers (draining), store — and then
 checks that no child process and no shared-memory segment of the store is left (it removes a
 segment a crashed store left). Each child also gets SIGKILL from the kernel if `strata up`
-itself dies (PR_SET_PDEATHSIG). The router runs open (no API keys) and only on 127.0.0.1. A
+itself dies (PR_SET_PDEATHSIG). The router listens only on 127.0.0.1: open (no API keys, and it
+says so), or with `--api-keys FILE` enforcing the keys of that file (docs/security.md). A
 port that is taken is reported before anything starts.
 """
 
@@ -35,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 
 from engine.router.cli import bind
+from engine.router.tenancy import KeyTable
 
 HOST = "127.0.0.1"
 _SERVING = re.compile(r"serving on (\S+)")
@@ -67,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--router-config",
         type=Path,
         help="a router TOML file (SLO classes, policy); its workers and store are replaced",
+    )
+    p.add_argument(
+        "--api-keys",
+        type=Path,
+        help="API key file (TOML, docs/security.md): the router enforces its keys",
     )
     p.add_argument("--max-context", type=int, default=4096, help="context limit (default 4096)")
     p.add_argument("--dram", default="1GiB", help="the store's DRAM budget (default 1GiB)")
@@ -297,6 +305,7 @@ class Up:
                 "--profile",
                 str(profile),
                 *(["--config", str(ns.router_config)] if ns.router_config else []),
+                *(["--api-keys", str(ns.api_keys)] if ns.api_keys else []),
                 "--log-level",
                 "WARNING",
             ),
@@ -343,20 +352,25 @@ def banner(base: str, model: str, ns: argparse.Namespace, up: Up) -> None:
     root = base.removesuffix("/v1")
     workers = [c for c in up.children if c not in (up.store, up.router)]
     print(f"\nStrata is up at {base}   model: {model}", flush=True)
-    print("  open access (no API keys), on 127.0.0.1 only", flush=True)
+    if ns.api_keys:
+        print(f"  API keys enforced from {ns.api_keys}, on 127.0.0.1 only", flush=True)
+    else:
+        print("  open access (no API keys), on 127.0.0.1 only", flush=True)
+    key = "YOUR_KEY" if ns.api_keys else "none"
     assert up.store is not None
     print(f"  store {up.store.address}; " + ", ".join(f"{w.name} {w.address}" for w in workers))
     print(f"  logs in {up.logs}", flush=True)
     print("\n  curl:", flush=True)
     print(
         f"    curl {base}/completions -H 'Content-Type: application/json' \\\n"
-        f'      -d \'{{"model": "{model}", "prompt": "The store keeps pages", "max_tokens": 32}}\'',
+        + (f"      -H 'Authorization: Bearer {key}' \\\n" if ns.api_keys else "")
+        + f'      -d \'{{"model": "{model}", "prompt": "The store keeps pages", "max_tokens": 32}}\'',
         flush=True,
     )
     print("\n  OpenAI client (Python):", flush=True)
     print(
         "    from openai import OpenAI\n"
-        f'    client = OpenAI(base_url="{base}", api_key="none")\n'
+        f'    client = OpenAI(base_url="{base}", api_key="{key}")\n'
         f'    reply = client.chat.completions.create(model="{model}", max_tokens=32,\n'
         '        messages=[{"role": "user", "content": "Hello"}])\n'
         "    print(reply.choices[0].message.content)",
@@ -367,14 +381,16 @@ def banner(base: str, model: str, ns: argparse.Namespace, up: Up) -> None:
 
 
 def _model_name(base: str) -> str:
-    """The model the router serves, once it lists one (bounded: 30 s)."""
+    """The model the router serves, once it lists one (bounded: 30 s). Asks /health, which
+    needs no API key."""
     deadline = time.monotonic() + 30
+    root = base.removesuffix("/v1")
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{base}/models", timeout=2) as reply:
-                data = json.loads(reply.read())["data"]
+            with urllib.request.urlopen(f"{root}/health", timeout=2) as reply:
+                data = json.loads(reply.read())["models"]
             if data:
-                return str(data[0]["id"])
+                return str(data[0])
         except (OSError, KeyError, ValueError):
             pass
         time.sleep(0.2)
@@ -388,7 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         bind(HOST, ns.port).close()  # a taken port is reported before anything starts
-    except OSError as exc:
+        if ns.api_keys:
+            KeyTable.load(ns.api_keys)  # so is a key file that does not parse
+    except (OSError, ValueError) as exc:
         print(f"strata up: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
