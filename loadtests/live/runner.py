@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--up", action="store_true", help="start a fresh `strata up` and test it")
     where.add_argument("--store", help="load a store daemon (gRPC address) through the SDK instead")
     ap.add_argument(
-        "--up-args", default=None, help="arguments for `strata up` (default: the tiny preset)"
+        "--up-args",
+        default=None,
+        help='arguments for `strata up`, written --up-args="..." (default: the tiny preset)',
     )
     ap.add_argument(
         "--up-data-dir",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.router.core import DecodeCoeffs, PrefillCoeffs, TimeModel
 from loadtests.report.files import load_runs
 from loadtests.report.metrics import run_metrics
 
@@ -21,6 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_loadtest_against_a_fresh_strata_up_writes_a_complete_report(tmp_path: Path) -> None:
     out = tmp_path / "report"
+    # A time model given to `strata up` (explicit coefficients) skips its first-run profiling:
+    # this test is about the load test, and the router only needs some model to price with.
+    profile = tmp_path / "profile.json"
+    TimeModel(
+        prefill=PrefillCoeffs(0.01, 1e-4, 0.0, 0.0), decode=DecodeCoeffs(0.002, 0.002, 1e-7)
+    ).save(profile)
+    up_args = f"--preset tiny --port 0 --max-context 1024 --ssd 0 --profile {profile}"
     done = subprocess.run(
         [
             sys.executable,
@@ -29,6 +37,7 @@ def test_loadtest_against_a_fresh_strata_up_writes_a_complete_report(tmp_path: P
             "loadtest",
             str(ROOT / "loadtests/workloads/tiny.toml"),
             "--up",
+            f"--up-args={up_args}",  # "=": the value starts with a dash
             "--duration",
             "6",
             "--rates",
