@@ -66,6 +66,21 @@ def _placement_headers(run: Run) -> dict[str, str]:
     }
 
 
+async def caller(request: Request) -> Grant:
+    """The request's API key (401 without a valid one when keys are enforced). Module level, so
+    the routes' string annotations resolve it."""
+    service: RouterService = request.app.state.service
+    headers = request.headers
+    return service.tenancy.authenticate(headers.get("authorization"), headers.get("x-api-key"))
+
+
+async def debug_caller(request: Request, grant: Annotated[Grant, Depends(caller)]) -> Grant:
+    """A caller that may read /debug (403 otherwise)."""
+    service: RouterService = request.app.state.service
+    service.tenancy.check_debug(grant)
+    return grant
+
+
 def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The app over `service`; the service starts and stops with the app's lifespan."""
 
@@ -79,21 +94,13 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         finally:
             await service.stop()
 
-    async def caller(request: Request) -> Grant:
-        """The request's API key (401 without a valid one when keys are enforced)."""
-        headers = request.headers
-        return service.tenancy.authenticate(headers.get("authorization"), headers.get("x-api-key"))
-
-    async def debug_caller(grant: Annotated[Grant, Depends(caller)]) -> Grant:
-        service.tenancy.check_debug(grant)
-        return grant
-
     app = FastAPI(
         title="Strata router",
         version="1",
         description="OpenAI-compatible completions over Strata's prefill and decode workers.",
         lifespan=lifespan,
     )
+    app.state.service = service
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
