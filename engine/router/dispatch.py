@@ -10,8 +10,9 @@
 
 It returns a `Run`, whose `tokens()` streams the first token and then the chosen decode
 worker's `Decode` stream (`output_token_ids=[first]`); a co-located worker takes `Decode` alone.
-A decode stream that breaks before its last event is resumed on another decode-capable worker
-from the tokens produced so far (`DecodeRequest.output_token_ids`): the worker pulls the pages
+A decode stream that breaks before its last event is resumed on another decode-capable worker,
+the one `RouterCore.resume` prices cheapest for the rest of the request, from the tokens produced
+so far (`DecodeRequest.output_token_ids`): the worker pulls the pages
 of prompt + output from the store, recomputes the tail and continues. Events are accepted by
 index, so the caller sees every token exactly once, in order. Closing the run (the client went
 away) cancels the gRPC stream, and the worker frees the request's pages.
@@ -43,7 +44,6 @@ from engine.router.core.types import (
     Refusal,
     RefusalReason,
     RequestView,
-    Role,
 )
 from engine.router.http_errors import HttpError
 from engine.router.lookup import StoreLookup
@@ -117,6 +117,7 @@ class Run:
     failed: bool = False
     queue_s: float = 0.0  # time queued on workers (prefill + decode), as they report it
     tokens_by_worker: dict[str, int] = field(default_factory=dict)
+    view: RequestView | None = None  # what the core placed (a resume is placed from it)
     _call: Any = None  # the grpc.aio stream call in progress
     _closed: bool = False
 
@@ -341,6 +342,7 @@ class Dispatcher:
                 raise self._refused(decision, last_error)
             placement = decision
             run = Run(job, placement, self, started, placement.prefill_id, placement.decode_id)
+            run.view = view
             if placement.colocated:
                 self.in_flight[job.request_id] = run
                 return run
@@ -411,19 +413,34 @@ class Dispatcher:
         return reply
 
     def pick_resume(self, run: Run, tried: set[str]) -> str | None:
-        """Another worker to continue `run` on: the least loaded live decode worker (co-located
-        for a co-located run) not tried yet."""
-        want = Role.colocated if run.placement.colocated else Role.decode
-        views = [
-            w
-            for w in self.registry.views(run.job.model.model_id)
-            if w.role is want and w.worker_id not in tried
-        ]
-        if not views:
+        """Another worker to continue `run` on, not tried yet: the core's decode-only placement
+        (`RouterCore.resume`: co-located for a co-located run) of the rest of the request,
+        explained in /debug/decisions like any decision. None when no worker may take it."""
+        job = run.job
+        view = run.view or RequestView(
+            request_id=job.request_id,
+            prompt_tokens=len(job.prompt_ids),
+            max_tokens=job.max_tokens,
+            slo_class=job.slo_class,
+            page_tokens=job.model.page_tokens,
+            page_bytes=job.model.page_bytes,
+            tenant=job.tenant,
+            model=job.model.model_id,
+        )
+        now = self.clock()
+        decision = self.core.resume(
+            view,
+            self.registry.views(job.model.model_id, now),
+            now,
+            produced=len(run.produced),
+            colocated=run.placement.colocated,
+            exclude=tried,
+        )
+        self._explain(job, view.prefix, decision, resumed_after=len(run.produced))
+        if isinstance(decision, Refusal):
             return None
         self.decode_resumes += 1
-        best = min(views, key=lambda w: (w.running_requests / max(1, w.max_batch), w.worker_id))
-        return best.worker_id
+        return decision.decode_id
 
     def _refused(self, refusal: Refusal, last_error: str) -> HttpError:
         if refusal.reason is RefusalReason.no_worker:
@@ -448,11 +465,19 @@ class Dispatcher:
             headers=headers,
         )
 
-    def _explain(self, job: Job, hit: PrefixHit, decision: Placement | Refusal) -> None:
+    def _explain(
+        self,
+        job: Job,
+        hit: PrefixHit,
+        decision: Placement | Refusal,
+        resumed_after: int | None = None,
+    ) -> None:
         """Keep the decision's explanation (each candidate's predicted cost and why it lost)
-        for GET /debug/decisions, and log it at DEBUG."""
+        for GET /debug/decisions, and log it at DEBUG. A resume's record says after how many
+        output tokens it was placed."""
         record: dict[str, object] = {
             "request_id": job.request_id,
+            **({"resumed_after_tokens": resumed_after} if resumed_after is not None else {}),
             "slo_class": job.slo_class,
             "prompt_tokens": len(job.prompt_ids),
             "prefix": {

@@ -246,6 +246,15 @@ def test_decode_worker_killed_mid_stream_resumes_on_the_other(cluster: Cluster) 
     assert killed, "the stream ended before the decode worker could be killed"
     assert tokens == want
     assert _retries(cluster.base, "decode") >= 1
+    # the resume was placed by the core's decode-only policy, and explained like any decision
+    decisions = httpx.get(f"{cluster.base}/debug/decisions", timeout=10).json()["decisions"]
+    resumes = [d for d in decisions if d.get("policy") == "resume"]
+    assert resumes, decisions[-3:]
+    resume = resumes[-1]
+    assert resume["decode"] != killed and resume["prefill"] == resume["decode"]
+    assert resume["resumed_after_tokens"] >= 4
+    assert resume["predicted_ttft_s"] > 0 and resume["predicted_tpot_s"] > 0
+    assert killed not in {c["decode"] for c in resume["candidates"]}
 
 
 def test_last_decode_worker_killed_mid_stream_ends_with_an_error_event(cluster: Cluster) -> None:

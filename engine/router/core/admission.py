@@ -265,6 +265,20 @@ class Admission:
             targets[request.request_id] = (slo.tpot_s, now)
             self._decode_of[request.request_id] = placement.decode_id
 
+    def on_resume(self, request_id: str, decode_id: str) -> None:
+        """The request's decode moved to `decode_id` (its worker died): its TPOT target goes
+        with it. Shares and counts are unchanged (it was admitted once)."""
+        worker = self._decode_of.get(request_id)
+        if worker is None or worker == decode_id:
+            return
+        targets = self._decoding.get(worker, {})
+        entry = targets.pop(request_id, None)
+        if worker in self._decoding and not targets:
+            del self._decoding[worker]
+        if entry is not None:
+            self._decoding.setdefault(decode_id, {})[request_id] = entry
+            self._decode_of[request_id] = decode_id
+
     def on_first_token(self, request_id: str, now: float) -> None:
         """The prefill finished. (Shares count admitted work, so nothing changes yet.)"""
 

@@ -6,7 +6,9 @@
         pick  = admission.admit(request, pick, views, now)
         if admitted: ledger.reserve(...); admission.on_dispatch(...)
 
-and the events the caller feeds back as the request runs: `on_first_token` (the prefill is done:
+`resume` places the rest of a decode whose worker died (`place_resume`: decode-only, priced,
+explained) and moves its ledger and admission records there; and the events the caller feeds
+back as the request runs: `on_first_token` (the prefill is done:
 the ledger moves it to decode, the TTFT prediction is scored), `on_finish` (the TPOT prediction is
 scored, every record released) and `on_failed` (released, nothing scored). `explain` turns a
 decision into a plain dict for a debug log or the `x-strata-*` headers.
@@ -18,13 +20,14 @@ randomness comes from the caller's `rng`.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from engine.router.core.admission import Admission
 from engine.router.core.ledger import DispatchLedger
 from engine.router.core.policies import Policy
 from engine.router.core.prediction import PredictionTracker
+from engine.router.core.resume import place_resume, resume_view
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import Decision, Placement, Refusal, RequestView, WorkerView
 
@@ -74,6 +77,29 @@ class RouterCore:
             self._open[request.request_id] = _Open(
                 now, decision.predicted_ttft_s, decision.predicted_tpot_s
             )
+        return decision
+
+    def resume(
+        self,
+        request: RequestView,
+        workers: Sequence[WorkerView],
+        now: float,
+        *,
+        produced: int,
+        colocated: bool,
+        exclude: Collection[str] = (),
+    ) -> Decision:
+        """Where to continue `request` (the original view) after `produced` tokens, on a decode
+        worker (co-located for a co-located run) not in `exclude`. Never refused by admission:
+        the request was admitted once. A placement moves the request's ledger entry (its
+        catch-up and decode load) and its TPOT target to the chosen worker."""
+        rest = resume_view(request, produced)
+        self.ledger.release(request.request_id)
+        views = self.ledger.apply(workers, now)
+        decision = place_resume(rest, views, self.model, now, colocated=colocated, exclude=exclude)
+        if isinstance(decision, Placement):
+            self.ledger.reserve(rest, decision, now)
+            self.admission.on_resume(request.request_id, decision.decode_id)
         return decision
 
     def on_first_token(self, request_id: str, now: float) -> float | None:
