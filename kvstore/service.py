@@ -257,7 +257,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Get(
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.GetResponse]:
-        with self.streams.enter(context.peer()):
+        with self.streams.enter(context.peer(), io_class_from_wire(request.io_class)):
             yield from self._get_stream(request, _pb_chunk, _pb_missing)
 
     @streaming
@@ -266,7 +266,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> Iterator[bytes]:
         """Get as serialized GetResponses (what `add_to_server` registers): each chunk's data is
         copied once, from the DRAM tier into the message."""
-        with self.streams.enter(context.peer()):
+        with self.streams.enter(context.peer(), io_class_from_wire(request.io_class)):
             yield from self._get_stream(request, _raw_chunk, _raw_missing)
 
     def _get_stream(
@@ -330,6 +330,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
             holder=probe_holder(pid),
             client=f"pid:{pid}" if pid else context.peer(),
         )
+        # the client copies these bytes itself: they pass the scheduler here, in their class
+        # (a background put keeps to the background cap on the same-host path too)
+        reserved = sum(s.length for s in res.slots if s.reserved)
+        with self.store.scheduler.admit(io_class_from_wire(request.io_class), reserved):
+            pass
         reply = store_pb2.ReserveResponse(
             lease_id=res.lease_id, lease_expires_unix_ms=res.expires_unix_ms
         )
@@ -375,6 +380,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 header=page.header,
                 generation=page.generation,
             )
+        with self.store.scheduler.admit(io_class, served):  # the client's copy, in its class
+            pass
         self.store.counters.add_bytes("shm", "out", io_class, served)
         return reply
 
@@ -442,7 +449,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Watch(
         self, request: store_pb2.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.Event]:
-        with self.streams.enter(context.peer()):
+        with self.streams.enter(context.peer(), IoClass.BACKGROUND):
             yield from self._watch(request, context)
 
     def _watch(

@@ -801,7 +801,8 @@ class Store:
 
         order = list(slots)
         errors = 0
-        with self.scheduler.admit(io_class, 0):
+        total = sum(dram.slot_bytes(slots[i]) for i in order)
+        with self.scheduler.admit(io_class, total):  # SSD reads keep to their class (and cap)
             ahead = self._ssd_reader().submit(fetch, order[0])
             for n, i in enumerate(order):
                 got = ahead.result()

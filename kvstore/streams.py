@@ -5,7 +5,9 @@ as it lasts, and a stalled put or a Watch can last forever. `StreamGate` lets at
 streams in at once, and at most `per_client` from one client (one gRPC peer, i.e. one
 connection); a stream beyond either is refused at once (CapacityExhausted: RESOURCE_EXHAUSTED
 with a retry hint), so it never waits on a thread, and the threads beyond `slots` stay free for
-unary calls. Thread-safe.
+unary calls. BACKGROUND streams (prefetch, publishing, Watch) get at most half of the slots, so
+background work waiting for its turn never keeps a critical or normal get from a thread.
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvstore.errors import CapacityExhausted
+from kvstore.keys import IoClass
 
 __all__ = ["StreamGate"]
 
@@ -28,26 +31,34 @@ class StreamGate:
         self._retry_after_s = retry_after_s
         self._lock = threading.Lock()
         self._total = 0
+        self._background = 0
         self._by_client: dict[str, int] = {}
 
     @contextmanager
-    def enter(self, client: str) -> Iterator[None]:
+    def enter(self, client: str, io_class: IoClass = IoClass.NORMAL) -> Iterator[None]:
         """Hold a stream slot for the `with` body; raises CapacityExhausted when none is free."""
+        background = io_class is IoClass.BACKGROUND
         with self._lock:
             mine = self._by_client.get(client, 0)
-            if self._total >= self._slots or mine >= self._per_client:
+            if (
+                self._total >= self._slots
+                or mine >= self._per_client
+                or (background and self._background >= max(1, self._slots // 2))
+            ):
                 raise CapacityExhausted(
                     f"too many streams in progress ({self._total} of {self._slots}; "
                     f"{mine} of {self._per_client} for this client): retry later",
                     retry_after_s=self._retry_after_s,
                 )
             self._total += 1
+            self._background += background
             self._by_client[client] = mine + 1
         try:
             yield
         finally:
             with self._lock:
                 self._total -= 1
+                self._background -= background
                 left = self._by_client[client] - 1
                 if left:
                     self._by_client[client] = left

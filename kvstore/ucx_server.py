@@ -19,8 +19,9 @@ import contextlib
 import functools
 import logging
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -58,6 +59,8 @@ _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 5.0
 _TCP_BACKLOG = 128
 _META_STEP_BYTES = 1 << 20  # frame metadata over TCP is taken in steps of this, as it arrives
+_POOL_THREADS = 8  # per I/O class
+_T = TypeVar("_T")
 
 
 async def _recv_meta(ep: Any, n_bytes: int) -> bytearray:
@@ -75,6 +78,18 @@ async def _recv_meta(ep: Any, n_bytes: int) -> bytearray:
         await ep.recv(part)
         meta += part
     return meta
+
+
+def _admit_and_renew(admission: Any, store: Store, lease_id: int) -> StrataError | None:
+    """Enter `admission` (blocking), then renew the read lease `lease_id` (if any): the error
+    of the renewal, if it failed (the admission is held either way)."""
+    admission.__enter__()
+    if lease_id:
+        try:
+            store.renew(lease_id)
+        except StrataError as exc:
+            return exc
+    return None
 
 
 class BulkServer:
@@ -99,6 +114,18 @@ class BulkServer:
         # a transfer must end well before its lease could run out under it
         self._put_timeout_s = limits.max_reserve_lease_ms / 2000
         self._get_timeout_s = limits.lease_ttl_ms / 2000
+        # Store calls and admission waits run in a thread pool per I/O class, not the loop's
+        # default pool: background work waiting for its turn (or for the background cap) can
+        # hold only the background threads, never the ones a critical get needs.
+        self._pools = {
+            io: ThreadPoolExecutor(_POOL_THREADS, thread_name_prefix=f"strata-bulk-{io.name}")
+            for io in IoClass
+        }
+
+    async def _call(self, io: IoClass, fn: Callable[..., _T], *args: object) -> _T:
+        """`fn(*args)` in the thread pool of I/O class `io`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pools[io], functools.partial(fn, *args))
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -164,6 +191,8 @@ class BulkServer:
             asyncio.run_coroutine_threadsafe(self._close(), loop).result(_STOP_TIMEOUT_S * 2)
         except Exception as exc:
             log.warning("bulk data listeners did not close cleanly: %r", exc)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def _close(self) -> None:
         if self._tcp_accepting is not None:  # no new connections while the old ones end
@@ -238,7 +267,7 @@ class BulkServer:
             if len(request.scope_digest) != KEY_BYTES:
                 raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
             io = io_class_from_wire(request.io_class)
-            acq = await asyncio.to_thread(store.acquire, request.scope_digest, keys, io)
+            acq = await self._call(io, store.acquire, request.scope_digest, keys, io)
         except StrataError as exc:
             await self._send_error(ep, exc)
             return
@@ -256,17 +285,15 @@ class BulkServer:
             manifest = encode_manifest(entries)
             total = sum(v.nbytes for v in views)
             admission = store.scheduler.admit(io, total)
-            await asyncio.to_thread(admission.__enter__)
+            # The read fence of the daemon's own copy: the lease is renewed right after the
+            # admission wait (in the same thread: an admitted operation never waits for a pool
+            # thread while it holds its slot) and the whole send is bounded by half of it, so
+            # no slot can be freed (and reused) while its bytes are still being sent.
+            renewed = await self._call(io, _admit_and_renew, admission, store, acq.lease_id)
             try:
-                # The read fence of the daemon's own copy: the lease is renewed after the
-                # admission wait and the whole send is bounded by half of it, so no slot can be
-                # freed (and reused) while its bytes are still being sent.
-                if acq.lease_id:
-                    try:
-                        await asyncio.to_thread(store.renew, acq.lease_id)
-                    except StrataError as exc:
-                        await self._send_error(ep, exc)
-                        return
+                if isinstance(renewed, StrataError):
+                    await self._send_error(ep, renewed)
+                    return
                 await settle(
                     [
                         ep.send(preamble(KIND_MANIFEST, len(entries), len(manifest))),
@@ -288,7 +315,7 @@ class BulkServer:
             store.counters.add_bytes(path, "out", io, total)
         finally:
             if acq.lease_id:
-                await asyncio.to_thread(store.release, acq.lease_id)
+                await self._call(io, store.release, acq.lease_id)
 
     # ---- put -------------------------------------------------------------------------------
 
@@ -312,10 +339,11 @@ class BulkServer:
             scope = store.scope_of(begin.scope)
             io = io_class_from_wire(begin.io_class)
             tier = tier_from_wire(begin.tier)
-            res = await asyncio.to_thread(
+            res = await self._call(
+                io,
                 functools.partial(
                     store.reserve, scope, headers, self._reserve_ms, io, client=f"{path}:{id(ep)}"
-                )
+                ),
             )
         except StrataError as exc:
             await self._send_error(ep, exc)
@@ -328,13 +356,13 @@ class BulkServer:
             dram = store.tiers.dram
             views = [dram.view(s.offset, s.length) for s in res.slots if s.reserved and s.length]
             admission = store.scheduler.admit(io, sum(v.nbytes for v in views))
-            await asyncio.to_thread(admission.__enter__)
+            await self._call(io, admission.__enter__)
             try:
                 await settle([ep.recv(v) for v in views], self._put_timeout_s, ep)
             finally:
                 admission.__exit__(None, None, None)
             try:
-                await asyncio.to_thread(self._verify_and_commit, res, headers, tier, io, path)
+                await self._call(io, self._verify_and_commit, res, headers, tier, io, path)
                 lease = 0  # committed: the lease has ended
             except StrataError as exc:
                 await self._send_error(ep, exc)
@@ -351,7 +379,7 @@ class BulkServer:
             await ep.send(statuses)
         finally:
             if lease:
-                await asyncio.to_thread(store.abort, lease)
+                await self._call(io, store.abort, lease)
 
     def _verify_and_commit(
         self,
