@@ -18,6 +18,7 @@ class Availability:
     calls: int
     succeeded: int
     longest_gap_s: float  # longest stretch of the fault window with no call succeeding
+    by_op: dict[str, list[int]] = field(default_factory=dict)  # op -> [calls, succeeded]
 
     @property
     def fraction(self) -> float:
@@ -56,7 +57,12 @@ def availability(
     done = sorted(c[1] for c in calls if c[2] and start <= c[1] <= end)
     marks = [start, *done, end]
     gap = max(b - a for a, b in itertools.pairwise(marks)) if end > start else 0.0
-    return Availability(len(inside), sum(1 for c in inside if c[2]), round(gap, 3))
+    by_op: dict[str, list[int]] = {}
+    for c in inside:
+        counts = by_op.setdefault(c[3], [0, 0])
+        counts[0] += 1
+        counts[1] += int(c[2])
+    return Availability(len(inside), sum(1 for c in inside if c[2]), round(gap, 3), by_op)
 
 
 def totals(results: Sequence[FaultResult]) -> dict[str, int]:

@@ -45,6 +45,7 @@ def test_availability_counts_calls_and_the_longest_stretch_without_a_success() -
              (9.0, 9.1, True, "get")]
     a = availability(calls, 0.0, 4.0)
     assert (a.calls, a.succeeded, a.longest_gap_s) == (3, 2, 2.7)
+    assert a.by_op == {"get": [2, 2], "put": [1, 0]}
     assert a.fraction == pytest.approx(2 / 3)
     ok = FaultResult("x", acknowledged=5, intact=4, missing=1)
     bad = FaultResult("y", acknowledged=2, intact=1, wrong=1)
