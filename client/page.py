@@ -133,6 +133,10 @@ class PageHeader:
             raise Corrupt(f"bad page magic {bytes(magic)!r}")
         if version != VERSION:
             raise Corrupt(f"unsupported page version {version}")
+        if _reserved or any(view[65:68]):
+            # reserved bytes are zero: a header that validates is byte-identical to the one
+            # make_header builds (and to what quick_check accepts)
+            raise Corrupt("page header reserved bytes are not zero")
         if header_bytes != header_bytes_for(token_count) or header_bytes > len(view):
             raise Corrupt(f"page header length {header_bytes} does not fit {token_count} tokens")
         body_end = header_bytes - _TAIL.size
