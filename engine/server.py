@@ -214,6 +214,7 @@ def describe(
         vocab_size=runtime.vocab_size,
         store=config.store,
         eos_token_ids=list(runtime.eos_ids),
+        step_token_budget=config.step_token_budget if config.role == "colocated" else 0,
     )
     if include_tokenizer:
         folder = Path(runtime.checkpoint.path)

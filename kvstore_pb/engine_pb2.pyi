@@ -442,6 +442,7 @@ class WorkerDescription(_message.Message):
     TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    STEP_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """"prefill", "decode" or "colocated" """
     model_id: _builtins.str
@@ -480,6 +481,10 @@ class WorkerDescription(_message.Message):
     """when include_tokenizer ("" when the checkpoint has none)"""
     chat_template: _builtins.str
     """when include_tokenizer: chat_template.jinja, if the"""
+    step_token_budget: _builtins.int
+    """checkpoint has one (else the template is in the config)
+    colocated: tokens one step spends, decodes + prompt
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -511,10 +516,11 @@ class WorkerDescription(_message.Message):
         tokenizer_config_json: _builtins.bytes = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         chat_template: _builtins.str = ...,
+        step_token_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_fingerprint", b"adapter_fingerprint", "adapter_id", b"adapter_id", "chat_template", b"chat_template", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "host_id", b"host_id", "kv_dtype", b"kv_dtype", "max_batch", b"max_batch", "max_context", b"max_context", "model_id", b"model_id", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_payload_bytes", b"page_payload_bytes", "page_tokens", b"page_tokens", "pp_size", b"pp_size", "pp_stage", b"pp_stage", "role", b"role", "store", b"store", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_fingerprint", b"tokenizer_fingerprint", "tokenizer_json", b"tokenizer_json", "total_pages", b"total_pages", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "vocab_size", b"vocab_size", "weights_revision", b"weights_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter_fingerprint", b"adapter_fingerprint", "adapter_id", b"adapter_id", "chat_template", b"chat_template", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "host_id", b"host_id", "kv_dtype", b"kv_dtype", "max_batch", b"max_batch", "max_context", b"max_context", "model_id", b"model_id", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "page_payload_bytes", b"page_payload_bytes", "page_tokens", b"page_tokens", "pp_size", b"pp_size", "pp_stage", b"pp_stage", "role", b"role", "step_token_budget", b"step_token_budget", "store", b"store", "tokenizer_config_json", b"tokenizer_config_json", "tokenizer_fingerprint", b"tokenizer_fingerprint", "tokenizer_json", b"tokenizer_json", "total_pages", b"total_pages", "tp_rank", b"tp_rank", "tp_size", b"tp_size", "vocab_size", b"vocab_size", "weights_revision", b"weights_revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -300,6 +300,7 @@ class Registry:
                     max_batch=max(1, d.max_batch),
                     report_age_s=max(0.0, t - h.report_at),
                     running_remaining_tokens=tuple(r.running_remaining_tokens),
+                    step_token_budget=d.step_token_budget if d.role == Role.colocated else 0,
                 )
             )
         return tuple(out)

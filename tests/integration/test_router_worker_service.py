@@ -4,6 +4,7 @@ and its limits; `Load` reports a decode stream while it runs and the pages it fr
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import xxhash
 
 from client import page_keys
 from engine.router.chat import ModelText
-from engine.router.registry import scope_of
+from engine.router.registry import Registry, scope_of
 from engine.server import EngineServer
 from engine.worker_config import WorkerConfig
 from kvstore_pb import engine_pb2 as pb
@@ -88,3 +89,35 @@ def test_load_reports_a_running_decode_and_its_freed_pages(
         load = WorkerStub(channel).Load(pb.LoadRequest(), timeout=5)
         assert (load.queued_prefill_tokens, load.running_requests) == (0, 0)
         assert load.served_requests == 1
+
+
+def test_a_colocated_workers_step_budget_reaches_the_routers_view(
+    servers: dict[str, EngineServer], tiny_checkpoint: Path
+) -> None:
+    """The registry's views carry a co-located worker's step token budget (from Describe), so
+    the core prices the decode steps its prefill chunks share; other roles report none."""
+    config = WorkerConfig(
+        role="colocated", model=str(tiny_checkpoint), port=0, max_context=512, step_token_budget=96
+    )
+    colocated = EngineServer(config)
+    colocated.start()
+    addresses = [colocated.address, servers["prefill"].address, servers["decode"].address]
+
+    async def views() -> dict[str, tuple[str, int]]:
+        registry = Registry(addresses)
+        await registry.start()
+        try:
+            model = next(iter(registry.models))
+            return {v.worker_id: (v.role.value, v.step_token_budget) for v in registry.views(model)}
+        finally:
+            await registry.stop()
+
+    try:
+        seen = asyncio.run(views())
+    finally:
+        colocated.stop(2)
+    assert seen == {
+        colocated.address: ("colocated", 96),
+        servers["prefill"].address: ("prefill", 0),
+        servers["decode"].address: ("decode", 0),
+    }
