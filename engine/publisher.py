@@ -1,7 +1,8 @@
 """The background thread that publishes an engine's new pages, so compute never waits on a put.
 
-Jobs are queued in order and put one at a time; a bounded queue (in pages) drops a job rather
-than grow without end when the store is slower than the engine. Each job has a ticket the
+Jobs are queued in order and put one at a time; a bounded queue (in pages and in payload bytes:
+4096 pages of 2 MiB would be 8 GiB) drops a job rather than grow without end when the store is
+slower than the engine. Each job has a ticket the
 submitter may wait on (a prefill waits for its own pages before it answers, so the decode
 worker it hands over to finds them).
 """
@@ -79,10 +80,16 @@ class Publisher:
     daemon thread."""
 
     def __init__(
-        self, put: Callable[[PublishJob], tuple[int, int]], *, max_pending_pages: int = 4096
+        self,
+        put: Callable[[PublishJob], tuple[int, int]],
+        *,
+        max_pending_pages: int = 4096,
+        max_pending_bytes: int = 512 << 20,
     ) -> None:
         self._put = put
         self._max_pending = max_pending_pages
+        self._max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
         self._cond = threading.Condition()
         self._queue: collections.deque[tuple[PublishJob, PublishTicket]] = collections.deque()
         self._pending_pages = 0
@@ -94,16 +101,23 @@ class Publisher:
 
     def submit(self, job: PublishJob) -> PublishTicket:
         """Queue a job; returns at once. Dropped (a done ticket, nothing stored) when the queue
-        holds `max_pending_pages` already or the publisher is closed."""
+        holds `max_pending_pages` (or `max_pending_bytes` of payloads) already or the publisher
+        is closed."""
         size = len(job.payloads)
+        n_bytes = sum(len(p) for p in job.payloads)
         ticket = PublishTicket(size)
         with self._cond:
-            if self._closed or self._pending_pages + size > self._max_pending:
+            if (
+                self._closed
+                or self._pending_pages + size > self._max_pending
+                or self._pending_bytes + n_bytes > self._max_pending_bytes
+            ):
                 self._unpublished += size
                 log.debug("publish queue full or closed: %d page(s) dropped", size)
                 return PublishTicket.skipped(size)
             self._queue.append((job, ticket))
             self._pending_pages += size
+            self._pending_bytes += n_bytes
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="strata-publish", daemon=True
@@ -131,6 +145,7 @@ class Publisher:
             dropped = list(self._queue)
             self._queue.clear()
             self._pending_pages = 0
+            self._pending_bytes = 0
             self._cond.notify_all()
         with self._cond:
             self._unpublished += sum(len(job.payloads) for job, _ in dropped)
@@ -163,6 +178,7 @@ class Publisher:
                 with self._cond:
                     self._busy = False
                     self._pending_pages -= len(job.payloads)
+                    self._pending_bytes -= sum(len(p) for p in job.payloads)
                     self._published += stored
                     self._unpublished += len(job.payloads) - stored - present
                     self._cond.notify_all()
