@@ -21,6 +21,7 @@ commands:
   bench router       router added latency vs direct, decisions/s, TTFT by policy, prediction error
   drill              router operator drills: prefill pool down, half the decode pool down, 1% loss
   chaos              store load while faults are injected; checks no page is served wrong
+  fuzz page|props    longer page-codec fuzzing: atheris (--seconds N) or hypothesis (--examples N)
   model init PATH    write a random-weight checkpoint (--preset tiny|small)
   prefill            run a prefill worker (--model PATH --store ADDR [--port N])
   decode             run a decode worker (--model PATH --store ADDR [--port N])
@@ -134,6 +135,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "report": _loadtests("loadtests.report.compare"),
     "bench": _bench,
     "chaos": _chaos,
+    "fuzz": _loadtests("strata_cli.fuzz"),
     "drill": _loadtests("loadtests.router_drills"),
     "model": _model,
     "prefill": _worker("prefill"),
