@@ -3,7 +3,9 @@
 Only what a route parses or returns is modelled. Unknown request fields are ignored (clients
 send fields of newer API versions); a known field with a value the router cannot honour is a
 validation error (HTTP 400): `n` other than 1, a negative temperature, `top_p` outside (0, 1],
-more than 16 stop strings. Strata's extensions: `slo_class` (also the `x-strata-slo-class`
+a `stop` that is neither a string nor a list of strings, more than 16 stop strings,
+`stream_options` on a request that does not stream (as OpenAI and vLLM refuse it), a chat role
+outside system/user/assistant/tool/developer. Strata's extensions: `slo_class` (also the `x-strata-slo-class`
 header), `top_k`, `ignore_eos` and `return_token_ids` (the token ids in each choice, for tests
 and tools that must compare tokens). `cache_salt` (as vLLM accepts it) keys the request's pages
 in a namespace of their own within the caller's: requests with different salts share no page.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -65,6 +67,12 @@ class _Sampling(_Request):
             if not item or len(item) > MAX_STOP_CHARS:
                 raise ValueError(f"a stop string must have 1 to {MAX_STOP_CHARS} characters")
         return value
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -222,6 +222,30 @@ def test_error_statuses(stack: Stack) -> None:
         "POST", "/v1/chat/completions", json={**ok, "messages": "x", "stream": True}
     ) as bad:
         assert bad.status_code == 400
+    # a known field with a value it cannot honour: 400 with an OpenAI-style body naming the field
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body, field in (
+        ("/v1/completions", {**ok, "stop": 5}, "stop"),
+        ("/v1/completions", {**ok, "stop": {"a": 1}}, "stop"),
+        ("/v1/completions", {**ok, "max_tokens": -3}, "max_tokens"),
+        ("/v1/completions", {**ok, "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {**ok, "top_k": -1}, "top_k"),
+        ("/v1/completions", {**ok, "seed": "abc"}, "seed"),
+        ("/v1/completions", {**ok, "stream": True, "stream_options": "yes"}, "stream_options"),
+        ("/v1/completions", {**ok, "stream_options": {"include_usage": True}}, "stream_options"),
+        (
+            "/v1/chat/completions",
+            {**chat, "messages": [{"role": "wizard", "content": "x"}]},
+            "messages",
+        ),
+        ("/v1/chat/completions", {**chat, "temperature": -0.1}, "temperature"),
+        ("/v1/chat/completions", {**chat, "n": 3}, "n"),
+    ):
+        error = _error(post(path, json=body), 400)
+        assert error["type"] == "invalid_request_error", (body, error)
+        assert field in str(error["message"]) + str(error.get("param")), (body, error)
+    # fields it does not know are ignored, as OpenAI-compatible servers do
+    assert post("/v1/completions", json={**ok, "logit_bias": {}, "user": "u"}).status_code == 200
     # the router still serves after all that
     assert post("/v1/completions", json=ok).status_code == 200
 
@@ -294,12 +318,20 @@ def test_openapi_schema_holds_for_generated_requests(stack: Stack) -> None:
     schema = schemathesis.openapi.from_dict(raw)
     schema.config.update(base_url=stack.root)
     tried: list[str] = []
-    for path, method in (
-        ("/v1/completions", "POST"),
-        ("/v1/chat/completions", "POST"),
-        ("/v1/models", "GET"),
-        ("/health", "GET"),
-    ):
+    routes = sorted((path, method.upper()) for path, ops in raw["paths"].items() for method in ops)
+    # every route the router serves is in the schema, and every one is exercised
+    assert routes == sorted(
+        [
+            ("/v1/completions", "POST"),
+            ("/v1/chat/completions", "POST"),
+            ("/v1/models", "GET"),
+            ("/health", "GET"),
+            ("/metrics", "GET"),
+            ("/debug/decisions", "GET"),
+            ("/debug/workers", "GET"),
+        ]
+    )
+    for path, method in routes:
         operation = schema[path][method]
 
         @settings(
@@ -315,14 +347,19 @@ def test_openapi_schema_holds_for_generated_requests(stack: Stack) -> None:
                 base_url=stack.root, timeout=60, excluded_checks=[positive_data_acceptance]
             )
             if response.status_code == 400:
-                # what the schema cannot say: the context limit (in tokens) and the configured
-                # SLO class names; any other 400 for a schema-valid body is a failure
+                # what the schema cannot say: the context limit (in tokens), the configured
+                # SLO class names, stream_options only with stream; any other 400 for a
+                # schema-valid body is a failure
                 error = response.json()["error"]
-                assert error["code"] == "context_length_exceeded" or error["param"] == "slo_class"
+                assert (
+                    error["code"] == "context_length_exceeded"
+                    or error["param"] == "slo_class"
+                    or "stream_options is only allowed" in error["message"]
+                ), error
 
         check()
         tried.append(f"{method} {path}")
-    assert len(tried) == 4
+    assert len(tried) == len(routes)
 
 
 def test_router_reports_a_taken_port_and_a_missing_profile(tmp_path: Path) -> None:
