@@ -42,7 +42,7 @@ def write_plots(runs: Sequence[RunResult], out_dir: Path) -> list[Path]:
 
 def _save(fig: plt.Figure, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
     return path
 
