@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -86,53 +86,85 @@ class Record:
 
 
 def run(ns: argparse.Namespace, stop: threading.Event) -> Record:
+    """Two threads on one client: puts at `rate * put_share`, gets and lookups (2:1) at the rest
+    of the rate, so a put that waits does not hold back the reads (each is timed on its own)."""
     scope = chaos_scope(ns.namespace, ns.page_kib)
     size = scope.page_payload_bytes
-    rng = random.Random(ns.seed)
     record = Record(ns.worker_id, ns.page_kib)
-    prompts: list[tuple[int, tuple[bytes, ...]]] = []  # acknowledged prompts, oldest first
-    next_id = ns.worker_id * 1_000_000_000
-    into = [bytearray(size) for _ in range(ns.pages)]
+    prompts: list[tuple[bytes, ...]] = []  # keys of acknowledged prompts, oldest first
     client = _client(ns)
     deadline = time.monotonic() + ns.duration
-    ready = False
-    period = 1.0 / ns.rate
-    slot = time.monotonic()
-    try:
+    ready = threading.Event()
+
+    def paced(rate: float, call: Callable[[random.Random], str | None], seed: int) -> None:
+        rng = random.Random(seed)
+        period = 1.0 / rate
+        slot = time.monotonic()
         while not stop.is_set() and time.monotonic() < deadline:
-            slot = max(slot + period, time.monotonic() - period)
+            slot = max(slot + period, time.monotonic() - period)  # late: no burst after
             wait = slot - time.monotonic()
             if wait > 0 and stop.wait(wait):
                 break
-            roll = rng.random() if prompts else 0.0  # the first call puts
-            op = "put" if roll < ns.put_share else ("get" if roll < 0.8 else "lookup")
             start = time.monotonic()
-            ok = True
             try:
-                if op == "put":
-                    p = prompt(scope, next_id, ns.pages)
-                    next_id += 1
-                    result = client.put(scope, p.build(scope))
-                    for key, status in zip(p.keys, result.statuses, strict=True):
-                        if status in (PutStatus.STORED, PutStatus.ALREADY_PRESENT):
-                            record.acked[key.hex()] = digest(expected(key, size))
-                    prompts.append((p.prompt_id, p.keys))
-                else:
-                    recent = prompts[-20:] if rng.random() < 0.7 else prompts
-                    _, keys = rng.choice(recent)
-                    if op == "get":
-                        got = client.get(scope, keys, into)
-                        _check(record, keys, got.entries, into)
-                    else:
-                        client.lookup(scope, keys)
+                op = call(rng)
+                ok = True
             except StrataError as exc:
-                ok = False
+                op, ok = getattr(exc, "chaos_op", "?"), False
                 record.error(exc)
+            if op is None:
+                continue
             record.calls.append((start, time.monotonic(), ok, op))
-            if ok and not ready:
-                ready = True
+            if ok and not ready.is_set():
+                ready.set()
                 print("ready", flush=True)
+
+    next_id = [ns.worker_id * 1_000_000_000]
+
+    def put(rng: random.Random) -> str:
+        p = prompt(scope, next_id[0], ns.pages)
+        next_id[0] += 1
+        try:
+            result = client.put(scope, p.build(scope))
+        except StrataError as exc:
+            exc.chaos_op = "put"  # type: ignore[attr-defined]
+            raise
+        stored = False
+        for key, status in zip(p.keys, result.statuses, strict=True):
+            if status in (PutStatus.STORED, PutStatus.ALREADY_PRESENT):
+                record.acked[key.hex()] = digest(expected(key, size))
+                stored = True
+        if stored:
+            prompts.append(p.keys)
+        return "put"
+
+    into = [bytearray(size) for _ in range(ns.pages)]
+
+    def read(rng: random.Random) -> str | None:
+        if not prompts:
+            return None
+        keys = rng.choice(prompts[-20:] if rng.random() < 0.7 else prompts)
+        op = "get" if rng.random() < 2 / 3 else "lookup"
+        try:
+            if op == "get":
+                got = client.get(scope, keys, into)
+                _check(record, keys, got.entries, into)
+            else:
+                client.lookup(scope, keys)
+        except StrataError as exc:
+            exc.chaos_op = op  # type: ignore[attr-defined]
+            raise
+        return op
+
+    reader = threading.Thread(
+        target=paced, args=(ns.rate * (1 - ns.put_share), read, ns.seed + 1), daemon=True
+    )
+    reader.start()
+    try:
+        paced(ns.rate * ns.put_share, put, ns.seed)
     finally:
+        stop.set()
+        reader.join(ns.timeout * 4 + 5)
         client.close()
     return record
 
