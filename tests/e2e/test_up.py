@@ -1,7 +1,6 @@
-"""`strata up --preset tiny` as a child process: on first run it writes the checkpoint and
-profiles the worker, starts the store, a prefill and a decode worker (or a co-located one with
---colocated) and the router, prints the
-base URL and the examples, serves a completion, and on SIGTERM stops everything, leaving no
+"""`strata up --preset tiny` (and `--model PATH`) as a child process: on first run it writes the
+checkpoint and profiles the worker, starts the store, a prefill and a decode worker (or a
+co-located one with --colocated) and the router, prints the base URL and the examples, serves a completion, and on SIGTERM stops everything, leaving no
 process and no shared-memory segment. A taken port is a clear message before anything starts."""
 
 from __future__ import annotations
@@ -150,3 +149,92 @@ def test_up_reports_a_taken_port(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr
     assert not (tmp_path / "models").exists()  # nothing was started or written
+
+
+def test_up_serves_a_hugging_face_checkpoint_folder(tmp_path: Path) -> None:
+    """`strata up --model PATH` on a folder in Hugging Face's layout: `strata model init` writes
+    one (config.json with architectures, rope_scaling, tie_word_embeddings, torch_dtype;
+    model.safetensors; tokenizer.json; tokenizer_config.json), here given the keys a real Qwen2
+    checkpoint's config also carries and a ChatML template in its tokenizer config. The router
+    names the model after the folder's config and renders chats with that template."""
+    import json
+
+    from router_processes import write_profile
+
+    folder = tmp_path / "Qwen2-tiny"
+    init = ["model", "init", str(folder), "--preset", "tiny", "--model-type", "qwen2"]
+    made = subprocess.run(
+        [sys.executable, "-m", "strata_cli.main", *init],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    config = json.loads((folder / "config.json").read_text())
+    assert {"architectures", "rope_scaling", "tie_word_embeddings", "torch_dtype"} <= set(config)
+    config.update(
+        transformers_version="4.43.1",
+        use_cache=True,
+        use_sliding_window=False,
+        sliding_window=32768,
+        max_window_layers=28,
+        initializer_range=0.02,
+        attention_dropout=0.0,
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config["chat_template"] = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+        "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    args = [sys.executable, "-m", "strata_cli.main", "up", "--model", str(folder), "--colocated"]
+    args += ["--port", "0", "--data-dir", str(tmp_path / "data"), "--max-context", "1024"]
+    args += ["--ssd", "0", "--profile", str(write_profile(tmp_path / "profile.json"))]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    up = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "stop with Ctrl-C" in line:
+                up.set()
+        up.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert up.wait(240) and proc.poll() is None, "\n".join(lines[-40:])
+        text = "\n".join(lines)
+        assert f"model: {folder}" in text and "writing the" not in text
+        match = re.search(r"Strata is up at (http://127\.0\.0\.1:\d+/v1)\s+model: (\S+)", text)
+        assert match, text
+        base, model = match.groups()
+        listed = httpx.get(f"{base}/models", timeout=30).json()["data"]
+        assert [m["id"] for m in listed] == [model]
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        reply = httpx.post(f"{base}/chat/completions", json=chat, timeout=60)
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        # the prompt is the ChatML rendering of the one message, tokenized by the folder's tokenizer
+        from engine.tokenizer import Tokenizer
+
+        rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        tokenizer = Tokenizer.from_dir(folder)
+        assert usage["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
+        assert usage["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0, "\n".join(lines[-20:])
+        assert "no process or shared-memory segment left" in "\n".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
