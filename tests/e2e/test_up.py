@@ -1,7 +1,8 @@
 """`strata up --preset tiny` (and `--model PATH`) as a child process: on first run it writes the
 checkpoint and profiles the worker, starts the store, a prefill and a decode worker (or a
 co-located one with --colocated) and the router, prints the base URL and the examples, serves a
-completion, and on SIGTERM stops everything, leaving no process and no shared-memory segment. A taken port is a clear message before anything starts."""
+completion, and on SIGTERM stops everything, leaving no process and no shared-memory segment. A
+taken port is a clear message before anything starts."""
 
 from __future__ import annotations
 
