@@ -82,7 +82,9 @@ class Decode:
 @dataclass(frozen=True, slots=True)
 class StepRates:
     """The worker's decode at one batch next to its reference steps at the prompt's context
-    (tokens/s: batch over the median step time), and the ratios of tokens/s between them."""
+    (tokens/s: batch over the median step time), and the ratios of tokens/s between them. A
+    ratio is the median over repetitions of the ratio within one: the worker's run against the
+    reference calls just before it, so the slow drifts of a shared machine cancel out."""
 
     batch: int
     context_tokens: int
@@ -130,9 +132,9 @@ def measure_decode(
             chunk_tokens=opts.chunk_tokens,
             kv_capacity_tokens=batch * runtime.max_context,
         )
-        model_s: list[float] = []
-        gathered_s: list[float] = []
-        dense_s: list[float] = []
+        model_s: list[list[float]] = []  # per repetition, the calls just before its run
+        gathered_s: list[list[float]] = []
+        dense_s: list[list[float]] = []
         try:
             worker.generate(ids, (first,), SamplingParams(max_tokens=3), namespace=opts.namespace)
             rates, e2e, same = [], [], True
@@ -144,9 +146,13 @@ def measure_decode(
                     d = time_call(runtime, dense)
                     model.advance()
                     if rep >= 0:
-                        model_s.append(m)
-                        gathered_s.append(g)
-                        dense_s.append(d)
+                        if len(model_s) <= rep:
+                            model_s.append([])
+                            gathered_s.append([])
+                            dense_s.append([])
+                        model_s[rep].append(m)
+                        gathered_s[rep].append(g)
+                        dense_s[rep].append(d)
                 if rep < 0:
                     continue
                 began = time.monotonic()
@@ -162,8 +168,8 @@ def measure_decode(
                 e2e.append(batch * opts.new_tokens / (ended - began))
                 progress(
                     f"decode batch {batch} {rep + 1}/{opts.decode_reps}: {rates[-1]:.1f} tok/s; "
-                    f"model step {batch / statistics.median(model_s):.1f}, dense step "
-                    f"{batch / statistics.median(dense_s):.1f} tok/s"
+                    f"model step {batch / statistics.median(model_s[rep]):.1f}, dense step "
+                    f"{batch / statistics.median(dense_s[rep]):.1f} tok/s"
                 )
         finally:
             worker.close()
@@ -182,33 +188,42 @@ def measure_decode(
                 same_tokens_as_batch_1=same,
             )
         )
-        steps.append(step_rates(batch, len(ids), worker_rate, model_s, gathered_s, dense_s))
+        steps.append(step_rates(batch, len(ids), rates, model_s, gathered_s, dense_s))
     return tuple(out), tuple(steps)
 
 
 def step_rates(
     batch: int,
     context: int,
-    worker_rate: float,
-    model_s: Sequence[float],
-    gathered_s: Sequence[float],
-    dense_s: Sequence[float],
+    worker_rates: Sequence[float],
+    model_s: Sequence[Sequence[float]],
+    gathered_s: Sequence[Sequence[float]],
+    dense_s: Sequence[Sequence[float]],
 ) -> StepRates:
-    """The rates and ratios of one batch from the step times (seconds per call)."""
-    model, gathered, dense = (statistics.median(x) for x in (model_s, gathered_s, dense_s))
-    model_rate, gathered_rate, dense_rate = batch / model, batch / gathered, batch / dense
+    """The rates and ratios of one batch: the worker's tokens/s of each repetition, and the
+    seconds of each reference call, by repetition (the calls just before that one's run)."""
+
+    def rate(calls: Sequence[float]) -> float:
+        return batch / statistics.median(calls)
+
+    def paired(ratios: Sequence[float]) -> float:
+        return statistics.median(ratios)
+
+    flat = [[t for rep in x for t in rep] for x in (model_s, gathered_s, dense_s)]
+    model, gathered, dense = (statistics.median(x) for x in flat)
+    reps = list(zip(worker_rates, model_s, gathered_s, dense_s, strict=True))
     return StepRates(
         batch=batch,
         context_tokens=context,
-        worker_tokens_per_s=worker_rate,
-        model_step_tokens_per_s=model_rate,
-        gathered_step_tokens_per_s=gathered_rate,
-        dense_step_tokens_per_s=dense_rate,
+        worker_tokens_per_s=statistics.median(worker_rates),
+        model_step_tokens_per_s=batch / model,
+        gathered_step_tokens_per_s=batch / gathered,
+        dense_step_tokens_per_s=batch / dense,
         model_step_median_s=model,
         gathered_step_median_s=gathered,
         dense_step_median_s=dense,
-        worker_to_model_step_ratio=worker_rate / model_rate,
-        worker_to_dense_ratio=worker_rate / dense_rate,
-        model_step_to_dense_ratio=model_rate / dense_rate,
-        gathered_step_to_dense_ratio=gathered_rate / dense_rate,
+        worker_to_model_step_ratio=paired([w / rate(m) for w, m, _, _ in reps]),
+        worker_to_dense_ratio=paired([w / rate(d) for w, _, _, d in reps]),
+        model_step_to_dense_ratio=paired([rate(m) / rate(d) for _, m, _, d in reps]),
+        gathered_step_to_dense_ratio=paired([rate(g) / rate(d) for _, _, g, d in reps]),
     )
