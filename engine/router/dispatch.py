@@ -304,6 +304,7 @@ class Dispatcher:
         self.clock = clock
         self.in_flight: dict[str, Run] = {}
         self._drifted: dict[str, bool] = {}
+        self.on_done: list[Callable[[Run], None]] = []  # called once per run that ends
         self.prefill_retries = 0
         self.decode_resumes = 0
 
@@ -519,6 +520,8 @@ class Dispatcher:
         if self.in_flight.pop(run.job.request_id, None) is None:
             return
         now = self.clock()
+        for hook in self.on_done:
+            hook(run)
         if run.finish_reason in ("stop", "length"):
             outcome = "ok"
             self.core.on_finish(run.job.request_id, now, len(run.produced))

@@ -83,6 +83,8 @@ class RouterService:
             min_stall_s=config.min_stall_s,
             decisions=collections.deque(maxlen=max(1, config.debug_decisions)),
         )
+        self._grants: dict[str, Grant] = {}  # request id -> its caller, while it runs
+        self.dispatcher.on_done.append(self._reconcile)
         self.watch = (
             WorkerWatch(config.etcd, config.cluster, self.registry) if config.etcd else None
         )
@@ -224,7 +226,7 @@ class RouterService:
         """Place and prefill a prepared request; a refusal gives the caller's limits back what
         the request was charged (it did not run)."""
         try:
-            return await self.dispatcher.start(prepared.job)
+            run = await self.dispatcher.start(prepared.job)
         except HttpError:
             self.tenancy.refund(
                 prepared.grant,
@@ -233,3 +235,16 @@ class RouterService:
                 now=time.monotonic(),
             )
             raise
+        if prepared.grant.charged_tokens:
+            self._grants[prepared.job.request_id] = prepared.grant
+        return run
+
+    def _reconcile(self, run: Run) -> None:
+        """A run ended: its key gets back the max_tokens it was charged and did not produce."""
+        grant = self._grants.pop(run.job.request_id, None)
+        if grant is None:
+            return
+        used = len(run.job.prompt_ids) + len(run.produced)
+        unused = grant.charged_tokens - used
+        if unused > 0:
+            self.tenancy.refund(grant, requests=0, tokens=unused, now=time.monotonic())

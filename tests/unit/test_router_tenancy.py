@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -274,3 +275,47 @@ def test_the_router_refuses_to_listen_open_off_loopback(tmp_path: Path) -> None:
     config = RouterConfig(host="0.0.0.0", port=0, profile=str(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="--allow-open"):
         serve(config, banner=False)
+
+
+def test_a_finished_run_gives_back_the_tokens_it_did_not_produce(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from engine.router.core.timemodel import DecodeCoeffs, PrefillCoeffs, TimeModel
+    from engine.router.service import RouterService
+
+    keys = write_keys(
+        tmp_path / "k.toml",
+        f'[[keys]]\nkey = "{SECRET_A}"\ntenant = "a"\ntokens_per_s = 0.001\ntoken_burst = 100\n',
+    )
+    model = TimeModel(PrefillCoeffs(0.01, 1e-5, 0.0, 0.0), DecodeCoeffs(0.01, 1e-4, 0.0))
+    service = RouterService(RouterConfig(api_keys=str(keys)), model)
+    assert service.core.admission.tenants == {"a": 1.0}
+    gate = service.tenancy
+    now = time.monotonic()  # the service's clock
+    grant = gate.admit(gate.authenticate(f"Bearer {SECRET_A}", None), "default", 90, now, None)
+    service._grants["r1"] = grant
+    # 40 prompt tokens, max_tokens 50, stopped after 5: 45 of the 90 come back
+    run = SimpleNamespace(
+        job=SimpleNamespace(request_id="r1", prompt_ids=(1,) * 40), produced=[7] * 5
+    )
+    service._reconcile(run)  # type: ignore[arg-type]
+    assert "r1" not in service._grants
+    limits = grant.key.limits  # type: ignore[union-attr]
+    assert gate.limiter.charge("a/0", limits, 55, time.monotonic()) is None  # 10 left + 45 back
+    assert gate.limiter.charge("a/0", limits, 1, time.monotonic()) is not None
+
+
+def test_strata_up_and_router_report_a_bad_key_file_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.router import cli, up
+
+    bad = write_keys(tmp_path / "bad.toml", '[[keys]]\ntenant = "a"\nkey = "short"\n')
+    assert up.main(["--preset", "tiny", "--port", "0", "--api-keys", str(bad)]) == 2
+    assert "at least 16 characters" in capsys.readouterr().err
+    profile = tmp_path / "p.json"
+    from engine.router.core.timemodel import DecodeCoeffs, PrefillCoeffs, TimeModel
+
+    TimeModel(PrefillCoeffs(0.01, 1e-5, 0.0, 0.0), DecodeCoeffs(0.01, 1e-4, 0.0)).save(profile)
+    code = cli.main(["--port", "0", "--profile", str(profile), "--api-keys", str(bad)])
+    assert code == 2 and "key #1" in capsys.readouterr().err
