@@ -8,7 +8,8 @@ acknowledged page is read back and the daemon is checked for leaks (see
 the checks add a few seconds a phase. Prints one summary table; `--json PATH` writes it with
 the fields `acknowledged`, `intact`, `missing`, `wrong`, `leaks` per fault and in total. Exits 1
 when any page was served wrong, anything leaked, or a phase could not finish; a fault this
-machine cannot inject (no root for tmpfs, no tc netem) is reported as skipped, with why.
+machine cannot inject (no root for tmpfs, neither tc netem nor nftables) is reported as
+skipped, with why.
 """
 
 from __future__ import annotations
