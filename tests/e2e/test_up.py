@@ -1,8 +1,9 @@
 """`strata up --preset tiny` (and `--model PATH`) as a child process: on first run it writes the
 checkpoint and profiles the worker, starts the store, a prefill and a decode worker (or a
 co-located one with --colocated) and the router, prints the base URL and the examples, serves a
-completion, and on SIGTERM stops everything, leaving no process and no shared-memory segment. A
-taken port is a clear message before anything starts."""
+completion, and on SIGTERM stops everything, leaving no process and no shared-memory segment. The
+second run has two co-located workers (`--decode 2`) and stops on Ctrl-C (SIGINT). A taken port
+is a clear message before anything starts."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def test_up_serves_and_stops_clean(data_dir: Path, colocated: bool) -> None:
             '[admission]\ndefault_class = "std"\n[[admission.classes]]\nname = "std"\n'
             '[[admission.classes]]\nname = "impossible"\nttft_s = 0.000001\n'
         )
-        args += ["--colocated", "--router-config", str(config)]
+        args += ["--colocated", "--decode", "2", "--router-config", str(config)]
     proc = subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -104,13 +105,17 @@ def test_up_serves_and_stops_clean(data_dir: Path, colocated: bool) -> None:
                 timeout=60,
             )
             assert refused.status_code == 429 and refused.headers["retry-after"]
+        health = httpx.get(base.removesuffix("/v1") + "/health", timeout=30).json()
+        roles = (health["prefill"], health["decode"], health["colocated"])
+        assert roles == ((0, 0, 2) if colocated else (1, 1, 0))  # --colocated --decode 2
         children = _children(proc.pid)
-        assert len(children) == (3 if colocated else 4)  # store, workers, router
+        assert len(children) == 4  # store, workers, router
         store_log = (tmp_path / "up" / "logs" / "store.log").read_text()
         segments = re.findall(r"shared memory: /dev/shm/(\S+)", store_log)
         segment = re.search(r"(\S+)", segments[-1]) if segments else None  # this run's store
         assert segment and Path(f"/dev/shm/{segment.group(1)}").exists()
-        proc.send_signal(signal.SIGTERM)
+        # Ctrl-C on the second run, SIGTERM on the first
+        proc.send_signal(signal.SIGINT if colocated else signal.SIGTERM)
         assert proc.wait(90) == 0, "\n".join(lines[-20:])
         assert "no process or shared-memory segment left" in "\n".join(lines)
         deadline = time.monotonic() + 10
