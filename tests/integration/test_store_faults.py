@@ -182,3 +182,24 @@ def test_a_daemon_with_sync_writes_keeps_its_ssd_pages_across_a_restart(
     assert again.store.rebuilt_pages >= 6
     assert_intact(again.client(shared_memory=False), scope, pages)
     again.check()
+
+
+def test_ssd_write_errors_drop_victims_and_leak_nothing(small: RunningDaemon, scope: Scope) -> None:
+    """A disk that fails every write: puts past a full DRAM still succeed (the pages that had to
+    leave are dropped, whole), the errors are counted, and the store stays consistent."""
+    client = small.client(shared_memory=True)
+    ssd = small.store.tiers.ssd
+    assert ssd is not None
+    ssd.faults = SsdFaults(write_error_rate=1.0)
+    pages = singles(scope, 96, seed=7)
+    for i in range(0, len(pages), 8):
+        assert client.put(scope, pages[i : i + 8]).stored == 8
+        small.check()
+    small.store.drain()
+    assert small.store.counters.ssd_write_errors > 0
+    got = read_back(client, scope, pages[-16:])
+    assert got == [bytes(p.payload) for p in pages[-16:]]  # the newest are in DRAM
+    for g, p in zip(read_back(client, scope, pages[:16]), pages[:16], strict=True):
+        assert g is None or g == bytes(p.payload)
+    assert small.store.stats().active_leases == 0
+    small.check()
