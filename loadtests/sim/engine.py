@@ -108,6 +108,7 @@ class SimEngine:
             running_remaining_tokens=tuple(
                 max(0, j.req.max_tokens - j.generated) for j in decoding
             ),
+            step_token_budget=c.chunk_tokens if self.role is Role.colocated else 0,
         )
 
     # -- entry points ---------------------------------------------------------------------------

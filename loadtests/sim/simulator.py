@@ -54,6 +54,10 @@ def make_policy(name: str) -> Policy:
     return build_policy(name)
 
 
+# the simulator's admission keeps 5% of each TPOT target free (AdmissionConfig.tpot_margin)
+SIM_TPOT_MARGIN = 0.05
+
+
 def admission_config(workload: WorkloadSpec, mode: str) -> AdmissionConfig:
     """The workload's classes as SLO classes; `off` keeps the shares but drops the targets."""
     classes = tuple(
@@ -70,6 +74,7 @@ def admission_config(workload: WorkloadSpec, mode: str) -> AdmissionConfig:
         classes=classes,
         default_class=classes[0].name,
         mode="predicted" if mode == "off" else mode,
+        tpot_margin=SIM_TPOT_MARGIN,
     )
 
 

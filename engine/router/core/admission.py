@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.router.core.errors import ErrorKind, RouterError, UnknownSloClass
-from engine.router.core.estimate import estimate_tpot
+from engine.router.core.estimate import estimate_tpot, prefill_stall_s
 from engine.router.core.slo import AdmissionConfig, SloClass
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import (
@@ -54,6 +54,7 @@ from engine.router.core.types import (
     Refusal,
     RefusalReason,
     RequestView,
+    Role,
     WorkerView,
 )
 
@@ -238,7 +239,7 @@ class Admission:
         tpot = self._tpot(request, placement, workers, now, model or self.model)
         tightest = self._tightest_tpot(placement.decode_id, now)
         target = min(slo.tpot_s, tightest)
-        if tpot > target:
+        if tpot * (1.0 + self.config.tpot_margin) > target:
             retry = self._tpot_retry(request, placement, workers, now, target, model or self.model)
             if tpot > slo.tpot_s:
                 detail = (
@@ -350,12 +351,19 @@ class Admission:
         now: float,
         model: TimeModel | None,
     ) -> float:
-        if self.mode == "predicted":
-            return placement.predicted_tpot_s
         view = self._decode_view(placement, workers)
+        steady = 0.0
+        if view is not None and model is not None and view.role is Role.colocated:
+            # sustained load: the prefills that will follow the batch stall its steps too
+            batch = view.running_requests + len(view.pending_joins) + 1.0
+            steady = prefill_stall_s(request, view, model, batch, steady=True) - (
+                prefill_stall_s(request, view, model, batch)
+            )
+        if self.mode == "predicted":
+            return placement.predicted_tpot_s + steady
         if model is None or view is None:
             raise ValueError("current-load admission needs the time model and the decode view")
-        return estimate_tpot(request, view, model, now, now, mode="current")
+        return estimate_tpot(request, view, model, now, now, mode="current") + steady
 
     def _tpot_retry(
         self,

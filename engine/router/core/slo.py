@@ -92,6 +92,9 @@ class AdmissionConfig:
     share_window_s: float = 5.0
     low_hit_share: float = 0.0  # part of each class's share kept for low-hit requests (0 = off)
     low_hit_ratio: float = 0.5  # a request is low-hit below this fraction of prompt tokens hit
+    # a predicted TPOT must leave this part of its target free (admission fills a batch up to
+    # the target, so with none about half the admitted requests of a full batch end just over)
+    tpot_margin: float = 0.0
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
@@ -107,6 +110,8 @@ class AdmissionConfig:
             raise ValueError(f"share_window_s must be > 0, got {self.share_window_s}")
         if not 0.0 <= self.low_hit_share < 1.0:
             raise ValueError(f"low_hit_share must be in [0, 1), got {self.low_hit_share}")
+        if not 0.0 <= self.tpot_margin < 1.0:
+            raise ValueError(f"tpot_margin must be in [0, 1), got {self.tpot_margin}")
         if not 0.0 < self.low_hit_ratio <= 1.0:
             raise ValueError(f"low_hit_ratio must be in (0, 1], got {self.low_hit_ratio}")
 
