@@ -7,8 +7,9 @@ liveness, report age, last error) and FastAPI's GET /openapi.json. Every error,
 the framework's own validation errors included, goes through `http_errors` (one table).
 With API keys (engine.router.tenancy) the /v1 routes need `Authorization: Bearer KEY` (or
 `x-api-key`) and /debug needs a key marked `debug`; /health and /metrics stay open.
-Responses to a placed request carry `x-strata-prefill`, `x-strata-decode`,
-`x-strata-predicted-ttft-ms`, `x-strata-predicted-tpot-ms` and `x-request-id`.
+Responses to a placed request carry `x-strata-prefill`, `x-strata-decode`, `x-strata-policy`,
+`x-strata-hit-tokens`, `x-strata-predicted-ttft-ms`, `x-strata-predicted-tpot-ms` and
+`x-request-id`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.router.core.errors import ErrorKind, RouterError
+from engine.router.core.router import headers as placement_headers
 from engine.router.dispatch import Run
 from engine.router.http_errors import HttpError, error_body, error_response
 from engine.router.protocol import (
@@ -56,13 +58,13 @@ ERRORS: dict[int | str, dict[str, object]] = {
 
 
 def _placement_headers(run: Run) -> dict[str, str]:
-    p = run.placement
+    """The core's `x-strata-*` headers of the placement (workers, policy, predictions, hit
+    tokens), with the workers the run is on, and the request id."""
     return {
         "x-request-id": run.job.request_id,
+        **placement_headers(run.placement),
         "x-strata-prefill": run.prefill_id,
         "x-strata-decode": run.decode_id,
-        "x-strata-predicted-ttft-ms": f"{p.predicted_ttft_s * 1000:.3f}",
-        "x-strata-predicted-tpot-ms": f"{p.predicted_tpot_s * 1000:.3f}",
     }
 
 

@@ -266,9 +266,24 @@ def test_models_health_metrics_openapi_and_decisions(stack: Stack) -> None:
     assert "strata_router" in metrics
     schema = stack.http.get("/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(schema["paths"])
+    assert reply.headers["x-strata-policy"] == "strata"
+    assert int(reply.headers["x-strata-hit-tokens"]) >= 0
     decisions = stack.http.get("/debug/decisions").json()["decisions"]
     mine = [d for d in decisions if d["request_id"] == reply.headers["x-request-id"]]
     assert mine and mine[0]["decision"] == "placed" and mine[0]["candidates"]
+    # the record agrees with the headers, and prices each candidate by its parts
+    record = mine[0]
+    assert (record["prefill"], record["decode"]) == (
+        reply.headers["x-strata-prefill"],
+        reply.headers["x-strata-decode"],
+    )
+    assert record["predicted_ttft_s"] * 1e3 == pytest.approx(
+        float(reply.headers["x-strata-predicted-ttft-ms"]), abs=1e-3
+    )
+    winner = record["candidates"][0]
+    assert winner["rejected_because"] == "" and winner["prefill"] == record["prefill"]
+    parts = winner["queue_s"] + winner["pull_s"] + winner["compute_s"]
+    assert parts == pytest.approx(winner["predicted_ttft_s"], abs=1e-5)
 
 
 def test_client_disconnect_frees_the_decode_workers_pages(stack: Stack) -> None:
