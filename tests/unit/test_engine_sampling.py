@@ -215,3 +215,28 @@ def test_replay_resumes_exactly(tokenizer: Tokenizer) -> None:
     assert full.replay(tokens[:3]) is FinishReason.LENGTH
     with pytest.raises(RuntimeError):
         full.append(tokens[3])
+
+
+def test_a_stop_string_spanning_a_resume_still_stops_unseen(tokenizer: Tokenizer) -> None:
+    """A decode resumed while part of a stop string is held back: the new worker holds the same
+    part back, the stop completes on its side, and no character of it is ever returned."""
+    tokens = tokenizer.encode("the answer is: 42 END more text", add_special_tokens=False)
+    params = SamplingParams(stop=(" END",), max_tokens=len(tokens))
+    spans = 0
+    for k in range(1, len(tokens)):
+        before = OutputText(tokenizer, params, limit=len(tokens))
+        sent, reason = _run(before, tokens[:k])
+        if reason is not None:
+            break
+        produced = tokenizer.decode(tokens[:k])
+        held = produced.removeprefix("".join(sent))
+        if not held:
+            continue  # nothing held back at this point
+        assert " END".startswith(held)  # part of the stop string, produced and held back
+        spans += 1
+        resumed = OutputText(tokenizer, params, limit=len(tokens))
+        assert resumed.replay(tokens[:k]) is None
+        rest, reason = _run(resumed, tokens[k:])
+        assert reason is FinishReason.STOP
+        assert "".join(sent) + "".join(rest) == "the answer is: 42"
+    assert spans >= 1, "no resume point fell inside the stop string"
