@@ -270,7 +270,8 @@ def test_two_times_overload_admitted_requests_meet_their_slos() -> None:
     predicted, met_p, sim = _overload("opt13b_2p1d.toml", 34.0, "predicted", 20.0)
     current, met_c, _ = _overload("opt13b_2p1d.toml", 34.0, "current", 20.0)
     assert predicted > 0 and met_p >= 0.9 and met_c >= 0.9
-    assert predicted <= current
+    # both modes now price the batch at the join: they refuse about as many (docs/benchmarks.md)
+    assert abs(predicted - current) <= 0.05 * max(predicted, current)
     # the core's own predictions are close to what the simulated engines did
     assert abs(sim.core.tracker.median_relative_error("tpot")) < 0.1
     assert abs(sim.core.tracker.median_relative_error("ttft")) < 0.25
