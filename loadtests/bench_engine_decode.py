@@ -65,9 +65,10 @@ class DecodeOptions:
 @dataclass(frozen=True, slots=True)
 class Decode:
     """Decode throughput at one batch size: tokens after the first step over the span from the
-    first step to the last (so pulling pages is not counted; `end_to_end` counts it: all new
-    tokens over submit to last result). p90 is of the time per token, given as tokens/s (90% of
-    repetitions were at least this fast)."""
+    first step to the last (the pulls of the requests that join after the first are in it;
+    `end_to_end` counts every pull: all new tokens over submit to last result; `steady` counts
+    only the steps in which the whole batch decoded, see `steady_rate`). p90 is of the time per
+    token, given as tokens/s (90% of repetitions were at least this fast)."""
 
     batch: int
     new_tokens_per_request: int
@@ -75,6 +76,7 @@ class Decode:
     tokens_per_s_p90: float
     end_to_end_tokens_per_s_median: float
     samples_tokens_per_s: tuple[float, ...]
+    steady_tokens_per_s_median: float
     hit_tokens_per_request: int
     same_tokens_as_batch_1: bool
 
@@ -84,11 +86,14 @@ class StepRates:
     """The worker's decode at one batch next to its reference steps at the prompt's context
     (tokens/s: batch over the median step time), and the ratios of tokens/s between them. A
     ratio is the median over repetitions of the ratio within one: the worker's run against the
-    reference calls just before it, so the slow drifts of a shared machine cancel out."""
+    reference calls just before it, so the slow drifts of a shared machine cancel out. The
+    worker's rate is given over its whole span (from the first request's first step: the pulls
+    of the requests joining after it are in it) and steady (while the whole batch decoded)."""
 
     batch: int
     context_tokens: int
     worker_tokens_per_s: float
+    worker_steady_tokens_per_s: float
     model_step_tokens_per_s: float
     gathered_step_tokens_per_s: float
     dense_step_tokens_per_s: float
@@ -97,8 +102,20 @@ class StepRates:
     dense_step_median_s: float
     worker_to_model_step_ratio: float
     worker_to_dense_ratio: float
+    worker_steady_to_model_step_ratio: float
+    worker_steady_to_dense_ratio: float
     model_step_to_dense_ratio: float
     gathered_step_to_dense_ratio: float
+
+
+def steady_rate(times: Sequence[Sequence[float]]) -> float:
+    """Tokens/s of requests decoded together while all of them were: the tokens sampled after
+    the last request's first step up to the first request's last step, over that span (0 when
+    the requests never all decoded at once for two steps)."""
+    start = max(t[0] for t in times)
+    end = min(t[-1] for t in times)
+    tokens = sum(1 for ts in times for t in ts if start < t <= end)
+    return tokens / (end - start) if end > start else 0.0
 
 
 def decode_rate(times: Sequence[Sequence[float]]) -> float:
@@ -137,7 +154,7 @@ def measure_decode(
         dense_s: list[list[float]] = []
         try:
             worker.generate(ids, (first,), SamplingParams(max_tokens=3), namespace=opts.namespace)
-            rates, e2e, same = [], [], True
+            rates, steady, e2e, same = [], [], [], True
             results: list[DecodeResult] = []
             for rep in range(-1, opts.decode_reps):  # round -1 warms the references up
                 for _ in range(opts.reference_steps):
@@ -165,6 +182,7 @@ def measure_decode(
                     reference = reference or r.token_ids
                     same = same and r.token_ids == reference
                 rates.append(decode_rate([r.token_times_s for r in results]))
+                steady.append(steady_rate([r.token_times_s for r in results]))
                 e2e.append(batch * opts.new_tokens / (ended - began))
                 progress(
                     f"decode batch {batch} {rep + 1}/{opts.decode_reps}: {rates[-1]:.1f} tok/s; "
@@ -184,11 +202,12 @@ def measure_decode(
                 tokens_per_s_p90=1.0 / per_token.p90_s,
                 end_to_end_tokens_per_s_median=statistics.median(e2e),
                 samples_tokens_per_s=tuple(rates),
+                steady_tokens_per_s_median=statistics.median(steady),
                 hit_tokens_per_request=min(r.stats.hit_tokens.total for r in results),
                 same_tokens_as_batch_1=same,
             )
         )
-        steps.append(step_rates(batch, len(ids), rates, model_s, gathered_s, dense_s))
+        steps.append(step_rates(batch, len(ids), rates, steady, model_s, gathered_s, dense_s))
     return tuple(out), tuple(steps)
 
 
@@ -196,12 +215,14 @@ def step_rates(
     batch: int,
     context: int,
     worker_rates: Sequence[float],
+    steady_rates: Sequence[float],
     model_s: Sequence[Sequence[float]],
     gathered_s: Sequence[Sequence[float]],
     dense_s: Sequence[Sequence[float]],
 ) -> StepRates:
-    """The rates and ratios of one batch: the worker's tokens/s of each repetition, and the
-    seconds of each reference call, by repetition (the calls just before that one's run)."""
+    """The rates and ratios of one batch: the worker's tokens/s of each repetition (over its
+    whole span, and steady), and the seconds of each reference call, by repetition (the calls
+    just before that one's run)."""
 
     def rate(calls: Sequence[float]) -> float:
         return batch / statistics.median(calls)
@@ -212,10 +233,12 @@ def step_rates(
     flat = [[t for rep in x for t in rep] for x in (model_s, gathered_s, dense_s)]
     model, gathered, dense = (statistics.median(x) for x in flat)
     reps = list(zip(worker_rates, model_s, gathered_s, dense_s, strict=True))
+    steady = list(zip(steady_rates, model_s, dense_s, strict=True))
     return StepRates(
         batch=batch,
         context_tokens=context,
         worker_tokens_per_s=statistics.median(worker_rates),
+        worker_steady_tokens_per_s=statistics.median(steady_rates),
         model_step_tokens_per_s=batch / model,
         gathered_step_tokens_per_s=batch / gathered,
         dense_step_tokens_per_s=batch / dense,
@@ -224,6 +247,8 @@ def step_rates(
         dense_step_median_s=dense,
         worker_to_model_step_ratio=paired([w / rate(m) for w, m, _, _ in reps]),
         worker_to_dense_ratio=paired([w / rate(d) for w, _, _, d in reps]),
+        worker_steady_to_model_step_ratio=paired([w / rate(m) for w, m, _ in steady]),
+        worker_steady_to_dense_ratio=paired([w / rate(d) for w, _, d in steady]),
         model_step_to_dense_ratio=paired([rate(m) / rate(d) for _, m, _, d in reps]),
         gathered_step_to_dense_ratio=paired([rate(g) / rate(d) for _, _, g, d in reps]),
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.bench_engine import main
-from loadtests.bench_engine_decode import Stat, decode_rate
+from loadtests.bench_engine_decode import Stat, decode_rate, steady_rate
 
 pytestmark = pytest.mark.e2e
 
@@ -30,6 +30,14 @@ def test_stat_median_and_nearest_rank_p90() -> None:
     assert (stat.median_s, stat.p90_s) == (3.0, 5.0)
     assert Stat.of([float(i) for i in range(1, 21)]).p90_s == 18.0
     assert stat.samples_s == (5.0, 1.0, 4.0, 2.0, 3.0)
+
+
+def test_steady_rate_counts_only_steps_with_the_whole_batch() -> None:
+    # the second request joins at t = 2 and ends at t = 6; the first runs 0..5
+    times = [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 3.0, 4.0, 5.0, 6.0]]
+    assert steady_rate(times) == pytest.approx(6 / 3)  # steps 3, 4, 5: two tokens each
+    assert decode_rate(times) == pytest.approx(10 / 6)
+    assert steady_rate([[0.0, 1.0], [2.0, 3.0]]) == 0.0  # never decoding together
 
 
 def test_decode_rate_counts_tokens_after_the_first_step() -> None:
@@ -113,6 +121,10 @@ def test_bench_engine_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert st["worker_to_model_step_ratio"] == pytest.approx(
             st["worker_tokens_per_s"] / st["model_step_tokens_per_s"]
         )
+        assert st["worker_steady_tokens_per_s"] >= 0  # 0 when the two never decoded together
+        assert st["worker_steady_to_dense_ratio"] == pytest.approx(
+            st["worker_steady_tokens_per_s"] / st["dense_step_tokens_per_s"]
+        )
         assert st["model_step_to_dense_ratio"] == pytest.approx(
             st["model_step_tokens_per_s"] / st["dense_step_tokens_per_s"]
         )
@@ -121,6 +133,7 @@ def test_bench_engine_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         "TTFT full DRAM hit / no cache",
         "worker / model step, batch 1",
         "worker / dense step, batch 2",
+        "steady worker / dense step, batch 2",
         "model step / dense step, batch 2",
     ]
     for t in bench["targets"]:
