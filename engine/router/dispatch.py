@@ -116,10 +116,17 @@ class Run:
     resumes: int = 0
     failed: bool = False
     queue_s: float = 0.0  # time queued on workers (prefill + decode), as they report it
+    # where the time went, as the workers report it (`timings`): the prefill's queue, lookup,
+    # pull and compute; the decode worker's queue and KV pull (summed over resumes)
+    split: dict[str, float] = field(default_factory=dict)
     tokens_by_worker: dict[str, int] = field(default_factory=dict)
     view: RequestView | None = None  # what the core placed (a resume is placed from it)
     _call: Any = None  # the grpc.aio stream call in progress
     _closed: bool = False
+
+    def timings(self) -> dict[str, float]:
+        """The latency split so far, in milliseconds (keys as in `split`, `_s` turned `_ms`)."""
+        return {k[:-2] + "_ms": round(v * 1e3, 3) for k, v in sorted(self.split.items())}
 
     async def tokens(self) -> AsyncIterator[Token]:
         """The output, each token once and in order; raises HttpError when no worker can
@@ -219,6 +226,9 @@ class Run:
                     self.tokens_by_worker[worker] = self.tokens_by_worker.get(worker, 0) + 1
                 if event.HasField("stats"):
                     self.queue_s += event.stats.queue_s
+                    split = self.split
+                    split["decode_queue_s"] = split.get("decode_queue_s", 0.0) + event.stats.queue_s
+                    split["decode_pull_s"] = split.get("decode_pull_s", 0.0) + event.stats.pull_s
                 if event.HasField("stats") and d.metrics is not None:
                     d.metrics.observe_decode(
                         self.decode_id,
@@ -378,6 +388,13 @@ class Dispatcher:
                 )
             hit_tokens = reply.hit_tokens
             run.queue_s = reply.timings.queue_s
+            t = reply.timings
+            run.split.update(
+                prefill_queue_s=t.queue_s,
+                lookup_s=t.lookup_s,
+                prefill_pull_s=t.pull_s,
+                prefill_compute_s=t.compute_s,
+            )
             run.cached_tokens = hit_tokens.gpu + hit_tokens.dram + hit_tokens.ssd
             run.first = Token(0, reply.first_token, reply.first_text, reply.finish_reason)
             self.in_flight[job.request_id] = run

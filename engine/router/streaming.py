@@ -2,7 +2,8 @@
 
 `sse_events(...)` turns a run's tokens into `data: {chunk}` events — text completion chunks or
 chat completion chunks (the first carries the assistant role), a final chunk with the finish
-reason, a usage chunk when `stream_options.include_usage` asked for it — and `data: [DONE]`.
+reason (and `strata_timings`: the workers' latency split in ms, see `Run.timings`), a usage
+chunk when `stream_options.include_usage` asked for it — and `data: [DONE]`.
 An error after the stream started is sent as an error event (the one table in `http_errors`),
 then `[DONE]`. `collect(...)` drains a run for a non-streamed answer.
 """
@@ -68,7 +69,13 @@ async def sse_events(
     """The SSE stream of `run`, ending with `data: [DONE]`."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str, finish: str | None, ids: list[int] | None, first: bool) -> str:
+    def chunk(
+        text: str,
+        finish: str | None,
+        ids: list[int] | None,
+        first: bool,
+        timings: dict[str, float] | None = None,
+    ) -> str:
         choice: dict[str, object]
         if chat:
             delta: dict[str, object] = {"content": text}
@@ -88,6 +95,8 @@ async def sse_events(
         }
         if include_usage:
             body["usage"] = None
+        if timings is not None:
+            body["strata_timings"] = timings
         return _event(body)
 
     first = True
@@ -98,7 +107,10 @@ async def sse_events(
                 yield chunk(token.text, None, ids if token_ids else None, first)
                 first = False
             if token.finish_reason:
-                yield chunk("", token.finish_reason, [] if token_ids else None, first)
+                # the workers' latency split rides on the last chunk (clients ignore the field)
+                yield chunk(
+                    "", token.finish_reason, [] if token_ids else None, first, run.timings()
+                )
                 first = False
         if include_usage:
             yield _event(

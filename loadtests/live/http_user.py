@@ -4,8 +4,9 @@
 prompt as token ids, `ignore_eos` so the answer is `max_tokens` long, usage at the end) and
 stamps, on the run's clock: the first token, every inter-token gap, the end. Status: ok; refused
 (HTTP 429); timeout (no end within the request timeout); failed (anything else, with the error).
-The live latency split is what a client can see: TTFT goes to `prefill_s` (queue, pull and
-compute together, as the router does not tell them apart per request), the rest to `decode_s`.
+The live latency split comes from the `strata_timings` a Strata router puts on the last chunk
+(the workers' own queue, pull and compute times, see `split_latency`); against another server
+TTFT goes to `prefill_s` and the rest to `decode_s`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,44 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str,
     }
 
 
+def split_latency(timings: dict[str, object], ttft_s: float, decode_total_s: float) -> Breakdown:
+    """A request's latency split from the `strata_timings` (ms) of a Strata router's last chunk.
+
+    Disaggregated (the prefill worker reported its parts): queue, lookup + pull, compute before
+    the first token, the decode worker's queue and pull after it. Co-located (only the decode
+    worker reported): its queue and pull come before the first token and the rest of the TTFT
+    is the prefill. What the workers do not account for (the client's lag, the router, the
+    network, sampling) is `other_s`. Without timings (another server): TTFT and decode only.
+    """
+
+    def part(name: str) -> float:
+        value = timings.get(name, 0.0)
+        return float(value) / 1e3 if isinstance(value, int | float) and value > 0 else 0.0
+
+    if not timings:
+        return Breakdown(prefill_s=ttft_s, decode_s=decode_total_s)
+    d_queue, d_pull = part("decode_queue_ms"), part("decode_pull_ms")
+    if "prefill_compute_ms" in timings:
+        queue, compute = part("prefill_queue_ms"), part("prefill_compute_ms")
+        pull = part("lookup_ms") + part("prefill_pull_ms")
+        after = min(d_queue + d_pull, decode_total_s)
+        return Breakdown(
+            queue_s=queue,
+            prefill_s=compute,
+            pull_s=pull + min(d_pull, after),
+            decode_queue_s=min(d_queue, max(after - d_pull, 0.0)),
+            decode_s=decode_total_s - after,
+            other_s=max(ttft_s - queue - compute - pull, 0.0),
+        )
+    before = min(d_queue + d_pull, ttft_s)
+    return Breakdown(
+        queue_s=min(d_queue, before),
+        pull_s=max(before - d_queue, 0.0),
+        prefill_s=ttft_s - before,
+        decode_s=decode_total_s,
+    )
+
+
 def stream_completion(
     http: httpx.Client,
     base_url: str,
@@ -63,6 +102,7 @@ def stream_completion(
     cached = 0
     status, http_status, error = "ok", 0, ""
     prefill_worker = decode_worker = ""
+    timings: dict[str, object] = {}
     try:
         # A body encoded ahead of time (bytes) keeps the JSON work off the send path.
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -94,6 +134,8 @@ def stream_completion(
                         cached = int(
                             (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                         )
+                    if isinstance(chunk.get("strata_timings"), dict):
+                        timings = chunk["strata_timings"]
                     for choice in chunk.get("choices") or ():
                         ids = choice.get("token_ids")
                         if ids:
@@ -113,9 +155,7 @@ def stream_completion(
     tokens = max(tokens, len(times)) if status == "ok" else len(times)
     gaps = tuple(b - a for a, b in itertools.pairwise(times))
     breakdown = (
-        Breakdown(prefill_s=first - sent.intended_s, decode_s=finish - first)
-        if times
-        else Breakdown()
+        split_latency(timings, first - sent.intended_s, finish - first) if times else Breakdown()
     )
     return RequestRecord(
         request_id=sent.request_id,

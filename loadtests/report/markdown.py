@@ -68,10 +68,11 @@ def class_table(metrics: Sequence[RunMetrics]) -> list[str]:
 
 
 def breakdown_table(metrics: Sequence[RunMetrics]) -> list[str]:
-    parts = ("queue_s", "prefill_s", "pull_s", "decode_queue_s", "decode_s")
+    parts = ("queue_s", "prefill_s", "pull_s", "decode_queue_s", "decode_s", "other_s")
     lines = [
-        "| run | class | queue ms | prefill compute ms | KV pull ms | decode queue ms | decode ms |",
-        "|---|---|---|---|---|---|---|",
+        "| run | class | queue ms | prefill compute ms | KV pull ms | decode queue ms | decode ms "
+        "| other ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m in metrics:
         for c in (m.overall, *(m.classes if len(m.classes) > 1 else ())):

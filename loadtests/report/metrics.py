@@ -103,7 +103,7 @@ def class_metrics(
     ok = [r for r in records if r.status == "ok"]
     good = sum(1 for r in records if meets(r, *targets.get(r.slo_class, (math.inf, math.inf))))
     hits = {t: sum(r.hit(t) for r in ok) for t in TIER_NAMES}
-    parts = ("queue_s", "prefill_s", "pull_s", "decode_queue_s", "decode_s")
+    parts = ("queue_s", "prefill_s", "pull_s", "decode_queue_s", "decode_s", "other_s")
     breakdown = {
         p: (sum(getattr(r.breakdown, p) for r in ok) / len(ok) if ok else math.nan) for p in parts
     }

@@ -25,6 +25,7 @@ class Breakdown:
     pull_s: float = 0.0  # pulling KV pages (hit pages before prefill, the prompt to decode)
     decode_queue_s: float = 0.0  # first token → joining a decode batch (besides the pull)
     decode_s: float = 0.0  # generating the remaining tokens
+    other_s: float = 0.0  # live runs: what the workers do not report (client, router, network)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from loadtests.live.http_user import Sent, completion_body, stream_completion
+from loadtests.live.http_user import Sent, completion_body, split_latency, stream_completion
 from loadtests.live.openloop import OpenLoop
 from loadtests.report.metrics import run_metrics
 from loadtests.report.records import ClassTarget, RequestRecord, RunResult
@@ -22,6 +22,14 @@ pytestmark = pytest.mark.unit
 
 FIRST_TOKEN_DELAY_S = 0.3
 TOKEN_GAP_S = 0.02
+TIMINGS_MS = {
+    "prefill_queue_ms": 100.0,
+    "lookup_ms": 5.0,
+    "prefill_pull_ms": 15.0,
+    "prefill_compute_ms": 150.0,
+    "decode_queue_ms": 10.0,
+    "decode_pull_ms": 5.0,
+}
 
 
 class SlowHandler(BaseHTTPRequestHandler):
@@ -47,7 +55,11 @@ class SlowHandler(BaseHTTPRequestHandler):
         time.sleep(FIRST_TOKEN_DELAY_S)
         n = body["max_tokens"]
         for i in range(n):
-            chunk = {"choices": [{"index": 0, "text": f"t{i}", "token_ids": [5 + i]}]}
+            chunk: dict[str, object] = {
+                "choices": [{"index": 0, "text": f"t{i}", "token_ids": [5 + i]}]
+            }
+            if i == n - 1:  # as a Strata router does: the workers' split on the last chunk
+                chunk["strata_timings"] = TIMINGS_MS
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
             time.sleep(TOKEN_GAP_S)
@@ -124,6 +136,12 @@ def test_open_loop_keeps_its_schedule_against_a_slow_server(slow_server: str) ->
         assert rec.ttft_s >= FIRST_TOKEN_DELAY_S - 0.01
         assert sum(rec.token_gaps_s) == pytest.approx(rec.finish_s - rec.first_token_s)
         assert rec.hit("unknown") == 2
+        b = rec.breakdown
+        assert (b.queue_s, b.prefill_s) == pytest.approx((0.1, 0.15))
+        assert (b.pull_s, b.decode_queue_s) == pytest.approx((0.025, 0.01))
+        parts = b.queue_s + b.prefill_s + b.pull_s + b.decode_queue_s + b.decode_s + b.other_s
+        assert parts == pytest.approx(rec.finish_s - rec.intended_s)
+        assert b.other_s == pytest.approx(rec.ttft_s - 0.27)
     # With 30 requests in 1.5 s and 0.38 s each, many overlapped: the client did not wait.
     starts = sorted(r.sent_s for r in records)
     assert starts[-1] - starts[0] < 1.6
@@ -208,3 +226,15 @@ def test_on_a_virtual_clock_a_closed_loop_lags_by_the_service_time() -> None:
     schedule = loop.run()
     assert schedule.lags_s == pytest.approx([i * 0.35 for i in range(10)])
     assert schedule.behind and schedule.max_lag_s == pytest.approx(3.15)
+
+
+def test_latency_split_of_co_located_and_other_servers() -> None:
+    # co-located: only the decode worker reports; its queue and pull come before the first token
+    b = split_latency({"decode_queue_ms": 40.0, "decode_pull_ms": 10.0}, 0.2, 0.5)
+    assert (b.queue_s, b.pull_s, b.prefill_s, b.decode_s) == pytest.approx((0.04, 0.01, 0.15, 0.5))
+    # a report larger than the TTFT itself is clipped, never a negative part
+    b = split_latency({"decode_queue_ms": 400.0}, 0.2, 0.5)
+    assert (b.queue_s, b.prefill_s) == pytest.approx((0.2, 0.0))
+    # another server: TTFT and decode only
+    b = split_latency({}, 0.2, 0.5)
+    assert (b.queue_s, b.prefill_s, b.decode_s, b.other_s) == (0.0, 0.2, 0.5, 0.0)
