@@ -138,7 +138,10 @@ def test_open_loop_keeps_its_schedule_against_a_slow_server(slow_server: str) ->
         assert rec.hit("unknown") == 2
         b = rec.breakdown
         assert (b.queue_s, b.prefill_s) == pytest.approx((0.1, 0.15))
-        assert (b.pull_s, b.decode_queue_s) == pytest.approx((0.025, 0.01))
+        decode_total = rec.finish_s - rec.first_token_s
+        if decode_total >= 0.015:  # a loaded client may read the chunks in one burst
+            assert (b.pull_s, b.decode_queue_s) == pytest.approx((0.025, 0.01))
+        assert b.pull_s + b.decode_queue_s + b.decode_s == pytest.approx(0.02 + decode_total)
         parts = b.queue_s + b.prefill_s + b.pull_s + b.decode_queue_s + b.decode_s + b.other_s
         assert parts == pytest.approx(rec.finish_s - rec.intended_s)
         assert b.other_s == pytest.approx(rec.ttft_s - 0.27)
