@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from loadtests.chaos.phase import LEASE_TTL_MS, Fault, PhaseEnv, _wait_until
+from loadtests.chaos.phase import LEASE_TTL_MS, Fault, PhaseEnv, wait_until
 from loadtests.etcd import EtcdProcess
 
 
@@ -57,8 +57,8 @@ class Kill9(Fault):
             daemon.start()
             env.details["kills"] = kill
             if kill == 1:
-                _wait_until(middle)
-        _wait_until(until)
+                wait_until(middle)
+        wait_until(until)
 
 
 class FullDisk(Fault):
@@ -102,7 +102,7 @@ class FullDisk(Fault):
                 break
         else:
             raise RuntimeError(f"could not shrink the tmpfs at {self.mount} to its use")
-        _wait_until(until)
+        wait_until(until)
         if not self._resize(self.tmpfs_bytes):
             raise RuntimeError(f"could not give the tmpfs at {self.mount} its room back")
 
@@ -174,7 +174,7 @@ class StallClient(Fault):
         env.details["stalls"] = stalls
         env.details["stalls_holding_a_lease"] = caught
         env.notes.append(f"{caught}/{stalls} stalls caught the client holding a lease")
-        _wait_until(until)
+        wait_until(until)
 
 
 class SlowDisk(Fault):
@@ -222,7 +222,7 @@ class EtcdStop(Fault):
         assert self.etcd is not None
         os.kill(self.etcd.pid, signal.SIGSTOP)
         try:
-            _wait_until(until)
+            wait_until(until)
         finally:
             os.kill(self.etcd.pid, signal.SIGCONT)
 
@@ -294,7 +294,7 @@ class NetLoss(Fault):
         if self.mode == "nft":
             self._drop_rules()
             try:
-                _wait_until(until)
+                wait_until(until)
             finally:
                 listed = self._ip("nft", "list", "table", "inet", "strata_chaos", ns=True).stdout
                 env.details["packets_dropped"] = sum(
@@ -305,7 +305,7 @@ class NetLoss(Fault):
         self._ip("tc", "qdisc", "add", "dev", self.host_if, *netem)
         self._ip("tc", "qdisc", "add", "dev", self.ns_if, *netem, ns=True)
         try:
-            _wait_until(until)
+            wait_until(until)
         finally:
             self._ip("tc", "qdisc", "del", "dev", self.host_if, "root")
             self._ip("tc", "qdisc", "del", "dev", self.ns_if, "root", ns=True)

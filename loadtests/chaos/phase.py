@@ -168,13 +168,14 @@ class Fault:
 
     def inject(self, env: PhaseEnv, until: float) -> None:
         """Apply the fault (in steps) until the monotonic time `until`, then clear it."""
-        _wait_until(until)
+        wait_until(until)
 
     def teardown(self, env: PhaseEnv) -> None:
         """Undo `setup` (always called)."""
 
 
-def _wait_until(t: float) -> None:
+def wait_until(t: float) -> None:
+    """Block until the monotonic time `t` (a fault's steps and the phase's timeline)."""
     delay = t - time.monotonic()
     if delay > 0:
         threading.Event().wait(delay)
@@ -245,11 +246,11 @@ def _run(fault: Fault, env: PhaseEnv, load_s: float) -> FaultResult:
         raise RuntimeError(f"workers {late} made no successful call in 60 s: {errs}")
     env.mark("workers ready")
     start = time.monotonic()
-    _wait_until(start + load_s * 0.25)
+    wait_until(start + load_s * 0.25)
     t_on = time.monotonic()
     fault.inject(env, start + load_s * 0.75)
     t_off = time.monotonic()
-    _wait_until(max(t_off + 0.5, start + load_s))
+    wait_until(max(t_off + 0.5, start + load_s))
     records = []
     for i, w in enumerate(env.workers):
         rec = w.stop()
