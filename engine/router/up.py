@@ -42,6 +42,7 @@ from engine.router.tenancy import KeyTable
 HOST = "127.0.0.1"
 _SERVING = re.compile(r"serving on (\S+)")
 _SEGMENT = re.compile(r"shared memory: /dev/shm/(\S+)")
+STORE_METRICS = re.compile(r"metrics: (http://\S+)")  # the store daemon's banner line
 _PR_SET_PDEATHSIG = 1
 
 
@@ -245,7 +246,7 @@ class Up:
                 "--port",
                 "0",
                 "--metrics-port",
-                "-1",
+                "0",
                 "--data-dir",
                 str(self.data / "up" / "store"),
                 "--dram",
@@ -359,6 +360,9 @@ def banner(base: str, model: str, ns: argparse.Namespace, up: Up) -> None:
     key = "YOUR_KEY" if ns.api_keys else "none"
     assert up.store is not None
     print(f"  store {up.store.address}; " + ", ".join(f"{w.name} {w.address}" for w in workers))
+    store_metrics = next((m.group(1) for m in map(STORE_METRICS.search, up.store.lines) if m), "")
+    if store_metrics:
+        print(f"  store metrics {store_metrics}", flush=True)
     print(f"  logs in {up.logs}", flush=True)
     print("\n  curl:", flush=True)
     print(

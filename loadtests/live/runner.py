@@ -7,19 +7,26 @@ the open-loop schedule (`openloop.py`) and every request goes out in its own gre
 Bounded in time: each rate runs its duration, then waits at most the request timeout for the
 stragglers, which count as timed out. With `--rates` it sweeps and the report gives the goodput
 (the highest rate at which ≥ 90% of requests meet both targets of their class). Progress lines
-every few seconds: elapsed, sent, in flight, current send and completion rates.
+every few seconds: elapsed, sent, in flight, current send and completion rates. Bytes moved and
+evictions are the store daemon's counters (its Prometheus metrics, which `--up` finds and
+`--store-metrics URL` gives) read before and after each rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loadtests.report.records import RunResult
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--up-data-dir",
         default=None,
         help="keep `strata up`'s checkpoint and profile here (default: a fresh temporary folder)",
+    )
+    ap.add_argument(
+        "--store-metrics",
+        default=None,
+        help="the store daemon's Prometheus URL, for bytes moved and evictions (with --url; "
+        "--up finds it)",
     )
     ap.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
@@ -72,13 +85,18 @@ def main(argv: Sequence[str]) -> int:
     if args.store:
         return _run_store(args, spec, rates[0])
     try:
-        with _target(args) as (base_url, model):
+        with _target(args) as (base_url, model, store_metrics):
             print(
                 f"load test {spec.name} against {base_url} (model {model}), rates "
                 f"{', '.join(f'{r:g}/s' if r else f'{spec.arrival.rate:g}/s (spec)' for r in rates)}",
                 flush=True,
             )
-            runs = [_run_rate(args, spec, base_url, model, rate) for rate in rates]
+            runs = [
+                _with_store_counters(
+                    store_metrics, lambda r=rate: _run_rate(args, spec, base_url, model, r)
+                )
+                for rate in rates
+            ]
     except TargetError as exc:
         print(f"strata loadtest: {exc}", file=sys.stderr)
         return 1
@@ -99,24 +117,39 @@ def _valid(run: object) -> bool:
     return run_metrics(run).valid  # type: ignore[arg-type]
 
 
+def _with_store_counters(metrics_url: str, run: Callable[[], RunResult]) -> RunResult:
+    """`run()`, with the store's bytes moved and evictions over it (when its metrics are known)."""
+    from loadtests.live.target import store_counters
+
+    if not metrics_url:
+        return run()
+    moved, evicted = store_counters(metrics_url)
+    result = run()
+    moved_after, evicted_after = store_counters(metrics_url)
+    return dataclasses.replace(
+        result, bytes_moved=moved_after - moved, evictions=evicted_after - evicted
+    )
+
+
 @contextlib.contextmanager
-def _target(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+def _target(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
+    """(API base URL, model, the store's metrics URL or "")."""
     from loadtests.live.target import DEFAULT_UP_ARGS, fresh_up, model_of
 
     if args.url:
         base = args.url.rstrip("/")
-        yield base, args.model or model_of(base)
+        yield base, args.model or model_of(base), args.store_metrics or ""
         return
     up_args = args.up_args.split() if args.up_args else list(DEFAULT_UP_ARGS)
     if args.up_data_dir:
-        with fresh_up(up_args, Path(args.up_data_dir)) as (base, model):
-            yield base, args.model or model
+        with fresh_up(up_args, Path(args.up_data_dir)) as (base, model, metrics):
+            yield base, args.model or model, args.store_metrics or metrics
         return
     with (
         tempfile.TemporaryDirectory(prefix="strata-loadtest-") as tmp,
-        fresh_up(up_args, Path(tmp)) as (base, model),
+        fresh_up(up_args, Path(tmp)) as (base, model, metrics),
     ):
-        yield base, args.model or model
+        yield base, args.model or model, args.store_metrics or metrics
 
 
 def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: float | None):

@@ -3,7 +3,9 @@
 `fresh_up(args, log)` starts `strata up` as a child process (its own arguments, default the tiny
 preset on a free port), waits for its "Strata is up at URL model: NAME" banner (bounded), and on
 exit sends SIGTERM and waits for its ordered stop (then SIGKILL as a last resort). `model_of(url)`
-asks /v1/models for the first model when none was given.
+asks /v1/models for the first model when none was given. `store_counters(url)` reads a store
+daemon's bytes moved and evictions from its Prometheus metrics (the runner takes the difference
+over each run).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import httpx
 
 UP_BANNER = re.compile(r"Strata is up at (http://\S+/v1)\s+model: (\S+)")
+STORE_METRICS = re.compile(r"store metrics (http://\S+)")
 DEFAULT_UP_ARGS = ("--preset", "tiny", "--port", "0", "--max-context", "1024", "--ssd", "0")
 
 
@@ -41,7 +44,8 @@ def model_of(base_url: str, timeout_s: float = 10.0) -> str:
 @contextlib.contextmanager
 def fresh_up(
     up_args: Sequence[str], data_dir: Path, *, start_timeout_s: float = 900.0
-) -> Iterator[tuple[str, str]]:
+) -> Iterator[tuple[str, str, str]]:
+    """Yields (API base URL, model, the store daemon's metrics URL or "")."""
     args = [sys.executable, "-m", "strata_cli.main", "up", *up_args, "--data-dir", str(data_dir)]
     proc = subprocess.Popen(
         args,
@@ -70,7 +74,8 @@ def fresh_up(
         match = UP_BANNER.search("\n".join(lines))
         if match is None:
             raise TargetError("strata up printed no URL:\n" + "\n".join(lines[-30:]))
-        yield match.group(1), match.group(2)
+        metrics = STORE_METRICS.search("\n".join(lines))
+        yield match.group(1), match.group(2), metrics.group(1) if metrics else ""
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -82,3 +87,29 @@ def fresh_up(
         deadline = time.monotonic() + 5
         while reader.is_alive() and time.monotonic() < deadline:
             reader.join(0.1)
+
+
+def store_counters(metrics_url: str, timeout_s: float = 5.0) -> tuple[int, int]:
+    """(payload bytes moved, pages evicted) so far, from a store daemon's Prometheus text:
+    the sums of `strata_bytes_total` (every path, direction and class) and
+    `strata_evictions_total` (every tier). TargetError when it cannot be read."""
+    try:
+        resp = httpx.get(metrics_url, timeout=timeout_s)
+        resp.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise TargetError(f"cannot read the store's metrics at {metrics_url}: {exc}") from exc
+    moved = evicted = 0.0
+    for line in resp.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = re.split(r"[{ ]", line, maxsplit=1)[0]
+        if name in ("strata_bytes_total", "strata_evictions_total"):
+            try:
+                value = float(line.rsplit(" ", 1)[-1])
+            except ValueError as exc:
+                raise TargetError(f"unreadable metrics line {line!r}") from exc
+            if name == "strata_bytes_total":
+                moved += value
+            else:
+                evicted += value
+    return int(moved), int(evicted)

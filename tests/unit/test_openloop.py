@@ -15,6 +15,7 @@ import pytest
 
 from loadtests.live.http_user import Sent, completion_body, split_latency, stream_completion
 from loadtests.live.openloop import OpenLoop
+from loadtests.live.target import TargetError, store_counters
 from loadtests.report.metrics import run_metrics
 from loadtests.report.records import ClassTarget, RequestRecord, RunResult
 
@@ -241,3 +242,39 @@ def test_latency_split_of_co_located_and_other_servers() -> None:
     # another server: TTFT and decode only
     b = split_latency({}, 0.2, 0.5)
     assert (b.queue_s, b.prefill_s, b.decode_s, b.other_s) == (0.0, 0.2, 0.5, 0.0)
+
+
+def test_store_counters_sum_bytes_and_evictions_from_prometheus_text() -> None:
+    text = (
+        b"# HELP strata_bytes_total Payload bytes moved\n"
+        b"# TYPE strata_bytes_total counter\n"
+        b'strata_bytes_total{path="shm",direction="in",io_class="foreground"} 1024.0\n'
+        b'strata_bytes_total{path="tcp",direction="out",io_class="background"} 2048.0\n'
+        b'strata_evictions_total{tier="dram"} 3.0\n'
+        b'strata_evictions_total{tier="ssd"} 4.0\n'
+        b"strata_lookups_total 99.0\n"
+    )
+
+    class Metrics(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            ok = self.path == "/metrics"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Length", str(len(text) if ok else 0))
+            self.end_headers()
+            if ok:
+                self.wfile.write(text)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert store_counters(f"{base}/metrics") == (3072, 7)
+        with pytest.raises(TargetError, match="metrics"):
+            store_counters(f"{base}/nothing")
+    finally:
+        server.shutdown()
+        server.server_close()
