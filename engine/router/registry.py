@@ -301,6 +301,7 @@ class Registry:
                     report_age_s=max(0.0, t - h.report_at),
                     running_remaining_tokens=tuple(r.running_remaining_tokens),
                     step_token_budget=d.step_token_budget if d.role == Role.colocated else 0,
+                    queued_are_prompts=True,  # workers count queued requests' whole prompts
                 )
             )
         return tuple(out)

@@ -101,6 +101,28 @@ def test_a_newer_report_includes_the_dispatch() -> None:
     assert after_join[0].pending_joins == ()
 
 
+def test_a_report_in_whole_prompts_gets_the_hits_of_its_dispatches_taken_out() -> None:
+    ledger = DispatchLedger()
+    ledger.reserve(req("r"), Placement("a:1", "x:1", 0.2, 0.01, "t", hit_tokens_used=896), 1.0)
+    # the worker holds r and another request (500 tokens, not ours) and counts both prompts
+    held = dict(queued_prefill_tokens=1000 + 500, queued_requests=2, report_age_s=0.0)
+    (counted,) = ledger.apply([prefill("a:1", **held, queued_are_prompts=True)], now=1.1)
+    assert counted.queued_prefill_tokens == 1500 - 896 and counted.queued_requests == 2
+    # a report already in tokens to compute is left as it is
+    (exact,) = ledger.apply([prefill("a:1", **held)], now=1.1)
+    assert exact.queued_prefill_tokens == 1500
+    # a report taken before the dispatch does not hold it: its tokens to compute are added
+    (stale,) = ledger.apply(
+        [prefill("a:1", queued_prefill_tokens=500, queued_requests=1, report_age_s=0.5,
+                 queued_are_prompts=True)], now=1.1
+    )  # fmt: skip
+    assert stale.queued_prefill_tokens == 500 + 1000 - 896 and stale.queued_requests == 2
+    # the first token came: r left the queue, nothing is taken out any more
+    ledger.on_prefill_done("r", 1.3)
+    (done,) = ledger.apply([prefill("a:1", **held, queued_are_prompts=True)], now=1.4)
+    assert done.queued_prefill_tokens == 1500
+
+
 def test_prefill_done_moves_the_dispatch_to_decode_then_release_forgets_it() -> None:
     ledger = DispatchLedger()
     ledger.reserve(req("r"), Placement("a:1", "x:1", 5.0, 0.01, "test"), now=0.0)

@@ -29,6 +29,7 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import RequestView, Role, WorkerView
@@ -197,12 +198,11 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
     step = model.decode_step_s(max(running, 1), context)
     if worker.running_remaining_tokens and running > 0 and step > 0:
         each = context / running
-        ends = sorted(reported_at + r * step for r in worker.running_remaining_tokens[:running])
+        # step > 0: ordering the remaining token counts orders the end times
+        ends = [reported_at + r * step for r in sorted(worker.running_remaining_tokens[:running])]
         steady = float(running - len(ends))
         steady_context = each * steady
-    sums = [0.0]
-    for end in ends:
-        sums.append(sums[-1] + end)
+    sums = tuple(accumulate(ends, initial=0.0))
     spans: list[tuple[float, float, float]] = []
     if joins:
         joining = 0
@@ -219,7 +219,7 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
         reported_at,
         each,
         tuple(ends),
-        tuple(sums),
+        sums,
         tuple(spans),
         worker.max_batch,
     )

@@ -6,7 +6,10 @@ each worker's view what its report cannot show yet:
 
 - on the prefill worker, a dispatch whose prefill has not finished and that was decided at or
   after the moment the report was taken (`now - report_age_s`): its tokens to compute join the
-  queue;
+  queue. When the report counts its queue in whole prompts (`queued_are_prompts`: a real
+  worker does not know a request's hits before its lookup), a dispatch it already includes has
+  its hit tokens taken back out, so the queue is the tokens left to compute, as the time model
+  prices it;
 - on the decode worker, a dispatch that joins (or joined) the batch after the report was taken: a
   `PendingJoin` at its predicted join time (the end of its predicted TTFT), or at the real one
   once `on_prefill_done` says so.
@@ -49,6 +52,7 @@ class _Added:
 
     version: int
     seen_until: float
+    prompts: bool  # the report's `queued_are_prompts`
     tokens: int
     requests: int
     joins: tuple[PendingJoin, ...]
@@ -160,6 +164,7 @@ class DispatchLedger:
         if (
             cached is not None
             and cached.version == version
+            and cached.prompts is worker.queued_are_prompts
             and abs(cached.seen_until - seen_until) <= 1e-9
         ):
             return cached
@@ -168,16 +173,19 @@ class DispatchLedger:
         joins: list[PendingJoin] = []
         for request_id in ids:
             entry = entries[request_id]
-            if (
-                entry.prefill_id == wid
-                and not entry.prefill_done
-                and entry.dispatched_at_s >= seen_until
-            ):
-                tokens += entry.prefill_tokens
-                requests += 1
+            if entry.prefill_id == wid and not entry.prefill_done:
+                if entry.dispatched_at_s >= seen_until:
+                    tokens += entry.prefill_tokens
+                    requests += 1
+                elif worker.queued_are_prompts:
+                    # in the report, counted at its whole prompt: only the missed part is
+                    # computed, the rest is pulled
+                    tokens -= entry.context_tokens - entry.prefill_tokens
             if entry.decode_id == wid and entry.join_at_s >= seen_until:
                 joins.append(self._joins[request_id])
-        added = _Added(version, seen_until, tokens, requests, tuple(joins))
+        added = _Added(
+            version, seen_until, worker.queued_are_prompts, tokens, requests, tuple(joins)
+        )
         self._added[wid] = added
         return added
 
@@ -193,7 +201,7 @@ def _with_dispatches(
         w.model,
         w.page_tokens,
         w.healthy,
-        w.queued_prefill_tokens + tokens,
+        max(0, w.queued_prefill_tokens + tokens),
         w.queued_requests + requests,
         w.running_requests,
         w.running_context_tokens,
@@ -203,4 +211,5 @@ def _with_dispatches(
         w.running_remaining_tokens,
         w.pending_joins + joins,
         w.step_token_budget,
+        w.queued_are_prompts,
     )

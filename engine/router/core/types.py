@@ -54,6 +54,9 @@ class WorkerView:
     - `step_token_budget`: a co-located worker's tokens per step (0 = unknown): its prefill
       chunks share steps with its decode batch, so each chunk also pays a decode step.
     - `report_age_s`: how old the load report is (`now` minus the time it was taken).
+    - `queued_are_prompts`: the report counts each queued request at its whole prompt (a worker
+      cannot know its hits before its lookup); the dispatch ledger then takes the hit tokens of
+      the router's own dispatches in the report back out (`DispatchLedger.apply`).
     """
 
     worker_id: str
@@ -72,6 +75,7 @@ class WorkerView:
     running_remaining_tokens: tuple[int, ...] = ()
     pending_joins: tuple[PendingJoin, ...] = ()
     step_token_budget: int = 0
+    queued_are_prompts: bool = False
 
     @property
     def does_prefill(self) -> bool:
