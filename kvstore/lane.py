@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.message import Message
 
 from client.lane_protocol import (
+    METHOD_IDS,
     METHODS,
     ONE_WAY,
     REQUEST,
@@ -30,8 +31,12 @@ from client.lane_protocol import (
     recv_growing,
 )
 from kvstore.service import StoreService
+from kvstore_pb import store_pb2
 
 log = logging.getLogger(__name__)
+
+
+_RESERVE = METHOD_IDS["Reserve"]
 
 
 class _Abort(Exception):
@@ -132,14 +137,31 @@ class LaneServer:
                     return
                 payload = bytes(recv_growing(conn, length)) if length else b""
                 status, retry_ms, body = self._dispatch(method, payload, peer_pid)
-                if not flags & ONE_WAY:
+                try:
+                    if flags & ONE_WAY:
+                        raise LaneClosed("no reply wanted")
                     conn.sendall(RESPONSE.pack(len(body), status, retry_ms) + body)
+                except (LaneClosed, OSError):
+                    if method == _RESERVE and status == STATUS_OK:
+                        self._give_back_reservation(body)
+                    if not flags & ONE_WAY:
+                        raise
         except (LaneClosed, OSError):
             return
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _give_back_reservation(self, body: bytes) -> None:
+        """A Reserve reply that never reached its caller (it gave up and closed the connection,
+        or asked for no reply): the caller cannot know the lease, so it can neither copy into
+        the slots nor make the late call that frees them once quarantined. Nothing was handed
+        out: the reservation is given back now."""
+        with contextlib.suppress(Exception):
+            lease_id = store_pb2.ReserveResponse.FromString(body).lease_id
+            if lease_id:
+                self._service.store.abort(lease_id)
 
     def _dispatch(self, method: int, payload: bytes, peer_pid: int = 0) -> tuple[int, int, bytes]:
         handler = self._handlers.get(method)

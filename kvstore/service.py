@@ -25,6 +25,7 @@ from client._wire import (
 from client.errors import (
     CapacityExhausted,
     Corrupt,
+    DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
     StrataError,
@@ -333,8 +334,18 @@ class StoreService(store_pb2_grpc.StoreServicer):
         # the client copies these bytes itself: they pass the scheduler here, in their class
         # (a background put keeps to the background cap on the same-host path too)
         reserved = sum(s.length for s in res.slots if s.reserved)
-        with self.store.scheduler.admit(io_class_from_wire(request.io_class), reserved):
-            pass
+        try:
+            with self.store.scheduler.admit(io_class_from_wire(request.io_class), reserved):
+                pass
+            if not context.is_active():
+                # The caller gave up while this waited (its deadline passed): it never learns
+                # the lease, so it can neither copy nor make the late call that would free a
+                # quarantined slot. Nothing was handed out yet: give the slots back now.
+                raise DeadlineExceeded("the caller gave up before its reservation was granted")
+        except BaseException:
+            if res.lease_id:
+                self.store.abort(res.lease_id)
+            raise
         reply = store_pb2.ReserveResponse(
             lease_id=res.lease_id, lease_expires_unix_ms=res.expires_unix_ms
         )

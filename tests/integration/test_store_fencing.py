@@ -16,6 +16,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import PAGE_BYTES, DaemonFactory, RunningDaemon, keys_of, read_back, singles
 
-from client import Page, Scope
+from client import IoClass, Page, Scope, StoreClient
+from client.errors import DeadlineExceeded
 
 pytestmark = pytest.mark.integration
 
@@ -253,3 +255,43 @@ def test_stalled_remote_reader_never_gets_a_reused_slot(
         assert out.split()[:1] == ["error"], out
     assert d.store.counters.stale_fenced > before  # the stream was stopped, not served wrong
     d.check()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_reserve_whose_caller_gave_up_leaves_nothing_quarantined(
+    daemon_factory: DaemonFactory, scope: Scope, lane: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Reserve that waits (here for the background cap) past its caller's deadline: the
+    caller never learns the lease, so it can neither copy nor make the late call that frees a
+    quarantined slot. The daemon must give the reservation back itself, not leave it to expire
+    into a quarantine that lasts as long as the (live) caller process."""
+    d = daemon_factory(
+        dram="1MiB",
+        ssd=None,
+        settings={
+            **NO_WATERMARKS,
+            "io.background_bytes_per_s": str(PAGE_BYTES),  # one page a second
+            "limits.max_reserve_lease_ms": "300",
+        },
+    )
+    if not lane:  # unary calls over gRPC, not the same-host lane
+        monkeypatch.setattr(StoreClient, "_open_local", lambda *_: None)
+    slow = d.client(shared_memory=True, timeout_s=0.3)
+    first, second = singles(scope, 2, seed=8)
+    assert slow.put(scope, [first], io_class=IoClass.BACKGROUND).stored == 1  # empties the bucket
+    with pytest.raises(DeadlineExceeded):  # its Reserve waits about a second for the cap
+        slow.put(scope, [second], io_class=IoClass.BACKGROUND)
+    deadline = time.monotonic() + 10
+    while d.store.scheduler.admitted_bytes(IoClass.BACKGROUND) < 2 * PAGE_BYTES:
+        assert time.monotonic() < deadline, "the second Reserve was never admitted"
+        time.sleep(0.02)
+    while True:  # the daemon finishes that Reserve; its lease (300 ms) ends one way or another
+        d.store.reap_leases()
+        if len(d.store.leases) == 0:
+            break
+        assert time.monotonic() < deadline, "the reservation never ended"
+        time.sleep(0.02)
+    assert d.store.quarantine.blocks == 0
+    assert d.store.tiers.dram.allocated_blocks == 1  # the first page only
+    d.check()
+    assert slow.put(scope, [second]).stored == 1  # the key is free
