@@ -4,7 +4,9 @@ Runs the workload through the simulated cluster once per policy (and rate), ever
 the router's real core, and writes one report with the runs side by side (JSON of every request,
 Markdown, plots). Prints the side-by-side table and each policy's ratios against the first.
 `--validate LIVE.json` simulates the rates of a live report (with this cluster, typically one
-built from this machine's `strata profile`) and lays live and simulated p50s side by side.
+built from this machine's `strata profile`) and lays live and simulated p50s side by side;
+`--overheads-from CALIBRATION.json` first fits the cluster's serving-path terms to another live
+run (its lowest rate), so the validation is not fitted to the runs it judges.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from loadtests.report.metrics import run_metrics
 from loadtests.report.records import RunResult
 from loadtests.sim.cluster import STORE_MODES, ClusterError, ClusterSpec, load_cluster
 from loadtests.sim.simulator import SIM_POLICIES, simulate
-from loadtests.sim.validate import validation_table
+from loadtests.sim.validate import fit_overheads, validation_table, without_overheads
 from loadtests.workload import WorkloadError, WorkloadSpec, generate_requests, load_workload
 
 
@@ -115,6 +117,12 @@ def main(argv: Sequence[str]) -> int:
         "--time-model", default=None, help="a `strata profile` JSON instead of the cluster's"
     )
     ap.add_argument("--validate", default=None, help="a live report.json to simulate and compare")
+    ap.add_argument(
+        "--overheads-from",
+        default=None,
+        help="a live calibration report.json: fit the cluster's request and token overheads to "
+        "its lowest rate first",
+    )
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -124,6 +132,7 @@ def main(argv: Sequence[str]) -> int:
             cluster = cluster.with_(store=args.store)
         model = TimeModel.load(args.time_model or cluster.time_model)
         live: list[RunResult] = load_runs(args.validate) if args.validate else []
+        calibration = load_runs(args.overheads_from) if args.overheads_from else []
     except (WorkloadError, ClusterError, ReportError, ValueError, FileNotFoundError) as exc:
         print(f"strata simulate: {exc}", file=sys.stderr)
         return 2
@@ -135,6 +144,19 @@ def main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if calibration:
+        low = min(calibration, key=lambda r: r.target_rate)
+        bare = without_overheads(cluster)
+        (sim_low,) = run_grid(
+            workload, bare, model, [policies[0]], [low.target_rate], duration_s=low.duration_s
+        )
+        request_s, token_s = fit_overheads(calibration, sim_low)
+        cluster = cluster.with_(request_overhead_s=request_s, token_overhead_s=token_s)
+        print(
+            f"serving-path overheads fitted to {args.overheads_from} at {low.target_rate:g}/s: "
+            f"{request_s * 1e3:.2f} ms per request, {token_s * 1e3:.2f} ms per decode step",
+            flush=True,
+        )
     rates: list[float | None] = list(args.rates) if args.rates else [None]
     duration = args.duration
     if live:

@@ -11,6 +11,8 @@
     pool_pages = 16384         # paged KV pool per engine
     prefill_batch_tokens = 8192
     chunk_tokens = 0           # co-located chunked prefill: token budget per iteration (0 = off)
+    request_overhead_s = 0.0   # serving path per request (router, RPCs, sampling) before its first token
+    token_overhead_s = 0.0     # serving path per decode iteration (host scheduling, streaming)
     [store]
     mode = "global"            # global (Strata) | per_engine (local prefix caches) | none
     dram = "64GiB"             # per host
@@ -68,6 +70,8 @@ class ClusterSpec:
     pool_pages: int = 16384
     prefill_batch_tokens: int = 8192
     chunk_tokens: int = 0
+    request_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
     store: str = "global"
     dram_bytes: int = 64 << 30
     ssd_bytes: int = 0
@@ -131,6 +135,8 @@ def validate(spec: ClusterSpec) -> None:
             raise ClusterError(f"{key} must be >= 1, got {getattr(spec, key)}")
     if spec.chunk_tokens < 0:
         raise ClusterError("chunk_tokens must be >= 0")
+    if spec.request_overhead_s < 0 or spec.token_overhead_s < 0:
+        raise ClusterError("request_overhead_s and token_overhead_s must be >= 0")
     if spec.store not in STORE_MODES:
         raise ClusterError(
             f"store.mode must be one of {', '.join(STORE_MODES)}, got {spec.store!r}"
@@ -177,6 +183,8 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         "pool_pages",
         "prefill_batch_tokens",
         "chunk_tokens",
+        "request_overhead_s",
+        "token_overhead_s",
         "store",
         "router",
     }
@@ -213,6 +221,8 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         pool_pages=_int(raw, "pool_pages", 16384),
         prefill_batch_tokens=_int(raw, "prefill_batch_tokens", 8192),
         chunk_tokens=_int(raw, "chunk_tokens", 0),
+        request_overhead_s=_float(raw, "request_overhead_s", 0.0),
+        token_overhead_s=_float(raw, "token_overhead_s", 0.0),
         store=str(store.get("mode", "global")),
         dram_bytes=parse_size(store.get("dram", 64 << 30), "store.dram"),
         ssd_bytes=parse_size(store.get("ssd", 0), "store.ssd"),

@@ -9,7 +9,10 @@ One `SimEngine` per engine, in one of three roles (the router core's `Role`):
 - colocated: both. Without chunking, an iteration is either a prefill (which stalls decode, as
   vLLM's default scheduler does) or a decode step; with `chunk_tokens` > 0 every iteration is a
   decode step plus up to `chunk_tokens - batch` prefill tokens (Sarathi-style chunked prefill).
-Iteration times come from the time model (`prefill_s`, `decode_step_s`, `pull_s`). The pool
+Iteration times come from the time model (`prefill_s`, `decode_step_s`, `pull_s`), plus the
+cluster's serving-path terms: `request_overhead_s` in the iteration that ends a prefill, and
+`token_overhead_s` in every decode iteration (0 by default; `strata simulate --overheads-from`
+fits them to a live run). The pool
 holds each running request's pages (prompt + max_tokens, reserved when it starts) and, in the
 per-engine store mode, an LRU prefix cache in whatever room is left.
 """
@@ -188,6 +191,8 @@ class SimEngine:
                 piece = model.prefill_s(take, job.cached_tokens + job.progress)
                 if prefills:
                     piece -= model.prefill.fixed_s  # one launch per batched iteration
+                if take == left:
+                    piece += c.request_overhead_s  # the serving path of its first token
                 prefill_s += max(piece, 0.0)
                 budget -= take
                 prefills.append((job, take, take == left))
@@ -199,7 +204,9 @@ class SimEngine:
         if not prefills and not decodes:
             return None
         decode_s = (
-            model.decode_step_s(len(decodes), sum(j.context for j in decodes)) if decodes else 0.0
+            model.decode_step_s(len(decodes), sum(j.context for j in decodes)) + c.token_overhead_s
+            if decodes
+            else 0.0
         )
         return Iteration(prefill_s + decode_s, tuple(prefills), decodes)
 

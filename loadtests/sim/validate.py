@@ -1,7 +1,8 @@
 """Live vs simulated: the same workload's TTFT and TPOT p50 at each rate, with their ratio.
 
 A simulated p50 within ±25% of the live one counts as agreement (the issue's target); the table
-says so per rate and metric.
+says so per rate and metric. `fit_overheads` measures the serving path the time model leaves out
+(a calibration run's lowest rate, live against simulated without overheads).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 
 from loadtests.report.metrics import run_metrics
 from loadtests.report.records import RunResult
+from loadtests.sim.cluster import ClusterSpec
 
 TOLERANCE = 0.25
 
@@ -45,3 +47,21 @@ def validation_table(live: Sequence[RunResult], sim: Sequence[RunResult]) -> str
             f"| {rate:.3g} | {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {ratio:.2f} | {'yes' if ok else 'NO'} |"
         )
     return "\n".join(lines)
+
+
+def fit_overheads(live: Sequence[RunResult], sim_at_lowest: RunResult) -> tuple[float, float]:
+    """(request_overhead_s, token_overhead_s) from the lowest-rate run of a live calibration and
+    the same rate simulated with no overheads: the TTFT and TPOT p50 the simulation misses, at a
+    load light enough that they add rather than queue (never negative)."""
+    lowest = min(live, key=lambda r: r.target_rate)
+    lm, sm = run_metrics(lowest).overall, run_metrics(sim_at_lowest).overall
+    request = lm.ttft.p50 - sm.ttft.p50
+    token = lm.tpot.p50 - sm.tpot.p50
+    return (
+        request if request > 0 and not math.isnan(request) else 0.0,
+        token if token > 0 and not math.isnan(token) else 0.0,
+    )
+
+
+def without_overheads(cluster: ClusterSpec) -> ClusterSpec:
+    return cluster.with_(request_overhead_s=0.0, token_overhead_s=0.0)

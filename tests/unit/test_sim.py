@@ -18,6 +18,7 @@ from loadtests.sim.cluster import ClusterError, ClusterSpec, load_cluster
 from loadtests.sim.loop import EventLoop, SimError
 from loadtests.sim.pages import page_keys
 from loadtests.sim.simulator import Simulator, simulate
+from loadtests.sim.validate import fit_overheads
 from loadtests.workload import Segment, generate_requests, load_workload, parse_workload
 
 pytestmark = pytest.mark.unit
@@ -278,3 +279,20 @@ def test_two_times_overload_admitted_requests_meet_their_slos() -> None:
     # co-located engines: the prefills interleaved into the batch count, so 2x is refused too
     refused, met, _ = _overload("opt13b_colocated.toml", 28.0, "predicted", 10.0)
     assert refused > 0 and met >= 0.9
+
+
+def test_serving_overheads_add_to_ttft_and_tpot_and_are_fitted_back() -> None:
+    spec = workload("chat", rate=1.0, duration=30.0, prompt=100, output=20)
+    reqs = generate_requests(spec)
+    bare = cluster(hosts=1, colocated=0, prefill=1, decode=1, store="none")
+    loaded = bare.with_(request_overhead_s=0.05, token_overhead_s=0.004)
+    a = run_metrics(simulate(bare, spec, model(), reqs, rate=1.0)).overall
+    b = run_metrics(simulate(loaded, spec, model(), reqs, rate=1.0)).overall
+    assert b.ttft.p50 - a.ttft.p50 == pytest.approx(0.05, abs=0.01)
+    assert b.tpot.p50 - a.tpot.p50 == pytest.approx(0.004, abs=0.001)
+    # a "live" run that is the loaded cluster: the fit against the bare one finds the terms
+    live = simulate(loaded, spec, model(), reqs, rate=1.0)
+    request_s, token_s = fit_overheads([live], simulate(bare, spec, model(), reqs, rate=1.0))
+    assert request_s == pytest.approx(0.05, abs=0.01) and token_s == pytest.approx(0.004, abs=1e-3)
+    with pytest.raises(ClusterError, match="overhead"):
+        bare.with_(token_overhead_s=-1.0)
