@@ -720,7 +720,7 @@ class Store:
         use and reorder eviction); a page freed meanwhile (its slot generation moved) is left
         for the next pass."""
         dram = self.tiers.dram
-        todo: list[tuple[int, bytes, PageEntry, int, memoryview, int]] = []
+        todo: list[tuple[int, bytes, PageEntry, int, int, memoryview, int]] = []
         known_bad: list[tuple[int, bytes]] = []
         with self._lock:
             for tag, key in zip(tags, keys, strict=True):
@@ -734,21 +734,22 @@ class Store:
                     continue
                 want = checked_payload_checksum(entry.header)
                 view = dram.view(entry.dram, entry.payload_bytes)
-                todo.append((tag, key, entry, dram.generation(entry.dram), view, want))
+                slot = entry.dram
+                todo.append((tag, key, entry, slot, dram.generation(slot), view, want))
         results = [
-            (tag, key, entry, gen, payload_checksum(view) == want)
-            for tag, key, entry, gen, view, want in todo
+            (tag, key, entry, slot, gen, payload_checksum(view) == want)
+            for tag, key, entry, slot, gen, view, want in todo
         ]
         bad: list[int] = []
         with self._lock:
             for tag, key in known_bad:
                 bad.append(tag)
                 self._unpin(key)
-            for tag, key, entry, gen, ok in results:
+            for tag, key, entry, slot, gen, ok in results:
                 if background and (
                     self.index.get(key) is not entry
-                    or entry.dram is None
-                    or dram.generation(entry.dram) != gen
+                    or entry.dram != slot  # back in DRAM, elsewhere: the generation is another's
+                    or dram.generation(slot) != gen
                 ):
                     continue  # it moved or went while being checked: the result says nothing
                 self._unverified.discard(key)

@@ -23,6 +23,7 @@ from conftest import (
     singles,
 )
 
+import kvstore.store as store_module
 from client import Page, PutStatus, Scope, StoreClient
 from kvstore.tiers.faults import SsdFaults
 
@@ -167,6 +168,53 @@ def test_the_mover_checks_same_host_puts_off_the_writers_path(
         assert not d.store._unverified
     assert read_back(shm, scope, [bad]) == [None]
     assert_intact(shm, scope, good)
+    d.check()
+
+
+def test_the_movers_check_of_a_page_that_moved_to_another_slot_meanwhile_says_nothing(
+    daemon_factory: DaemonFactory, scope: Scope, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mover checks a same-host put lock free. If, meanwhile, the page leaves its slot (to
+    SSD), another page takes that slot, and the page comes back (promoted) into a different slot
+    whose generation happens to equal the old one's, the checksum it computed is of another
+    page's bytes: it must not drop the good page as corrupt."""
+    d = daemon_factory(settings=NO_WATERMARKS)
+    d.store.mover.stop()  # this test runs the mover's steps itself, in a chosen order
+    shm = d.client(shared_memory=True)
+    (page,) = singles(scope, 1, seed=95)
+    shm.put(scope, [page])
+    store, dram = d.store, d.store.tiers.dram
+    key = page.header.key
+    with store._lock:
+        entry = store.index.get(key)
+        assert entry is not None and entry.dram is not None and key in store._unverified
+        old_slot = entry.dram
+    real = store_module.payload_checksum
+    other: list[int] = []
+
+    def meanwhile(view: memoryview) -> int:
+        if not other:  # once, between the check's copy of the view and its result
+            assert store.mover.copy_to_ssd(entry, clear_dram=True)  # the slot is freed...
+            slot = dram.allocate(PAGE_BYTES)  # ...and taken by other bytes
+            assert slot == old_slot
+            other.append(slot)
+            with dram.view(slot, PAGE_BYTES) as v:
+                v[:] = payload_for(96)
+            acq = store.acquire(scope.digest, [key])  # promoted into a fresh slot
+            assert acq.pages[0] is not None and acq.pages[0].offset != old_slot
+            assert acq.pages[0].generation == dram.generation(acq.pages[0].offset)
+            store.release(acq.lease_id)
+        return real(view)
+
+    monkeypatch.setattr(store_module, "payload_checksum", meanwhile)
+    with store._lock:  # the fresh slot's generation equals the old one's at the check
+        assert dram.generation(old_slot) == 0
+    store.verify_same_host_puts()
+    assert other, "the check never ran"
+    dram.free(other[0])
+    assert store.counters.shm_put_corrupt == 0
+    assert d.tier_of(key) != ()
+    assert read_back(shm, scope, [page]) == [bytes(page.payload)]
     d.check()
 
 
