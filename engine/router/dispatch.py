@@ -117,7 +117,8 @@ class Run:
     failed: bool = False
     queue_s: float = 0.0  # time queued on workers (prefill + decode), as they report it
     # where the time went, as the workers report it (`timings`): the prefill's queue, lookup,
-    # pull and compute; the decode worker's queue and KV pull (summed over resumes)
+    # pull, compute, sampling and wait for its pages to publish; the decode worker's queue and
+    # KV pull (summed over resumes)
     split: dict[str, float] = field(default_factory=dict)
     tokens_by_worker: dict[str, int] = field(default_factory=dict)
     view: RequestView | None = None  # what the core placed (a resume is placed from it)
@@ -197,7 +198,9 @@ class Run:
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(events.__anext__(), wait_s)
+                    # a timer, not wait_for's task per event
+                    async with asyncio.timeout(wait_s):
+                        event = await events.__anext__()
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -394,6 +397,8 @@ class Dispatcher:
                 lookup_s=t.lookup_s,
                 prefill_pull_s=t.pull_s,
                 prefill_compute_s=t.compute_s,
+                sample_s=t.sample_s,
+                publish_wait_s=t.publish_wait_s,
             )
             run.cached_tokens = hit_tokens.gpu + hit_tokens.dram + hit_tokens.ssd
             run.first = Token(0, reply.first_token, reply.first_text, reply.finish_reason)
