@@ -52,11 +52,12 @@ def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str,
 def split_latency(timings: dict[str, object], ttft_s: float, decode_total_s: float) -> Breakdown:
     """A request's latency split from the `strata_timings` (ms) of a Strata router's last chunk.
 
-    Disaggregated (the prefill worker reported its parts): queue, lookup + pull, compute before
-    the first token, the decode worker's queue and pull after it. Co-located (only the decode
-    worker reported): its queue and pull come before the first token and the rest of the TTFT
-    is the prefill. What the workers do not account for (the client's lag, the router, the
-    network, sampling) is `other_s`. Without timings (another server): TTFT and decode only.
+    Disaggregated (the prefill worker reported its parts): queue, lookup + pull + the wait for
+    its pages to publish, compute + sampling before the first token, the decode worker's queue
+    and pull after it. Co-located (only the decode worker reported): its queue and pull come
+    before the first token and the rest of the TTFT is the prefill. What the workers do not
+    account for (the client's lag, the router, the network) is `other_s`. Without timings
+    (another server): TTFT and decode only.
     """
 
     def part(name: str) -> float:
@@ -67,8 +68,10 @@ def split_latency(timings: dict[str, object], ttft_s: float, decode_total_s: flo
         return Breakdown(prefill_s=ttft_s, decode_s=decode_total_s)
     d_queue, d_pull = part("decode_queue_ms"), part("decode_pull_ms")
     if "prefill_compute_ms" in timings:
-        queue, compute = part("prefill_queue_ms"), part("prefill_compute_ms")
-        pull = part("lookup_ms") + part("prefill_pull_ms")
+        queue = part("prefill_queue_ms")
+        compute = part("prefill_compute_ms") + part("sample_ms")
+        # the prompt's pages on their way to the decode worker: published, then pulled
+        pull = part("lookup_ms") + part("prefill_pull_ms") + part("publish_wait_ms")
         after = min(d_queue + d_pull, decode_total_s)
         return Breakdown(
             queue_s=queue,

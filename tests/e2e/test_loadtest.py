@@ -70,6 +70,12 @@ def test_loadtest_against_a_fresh_strata_up_writes_a_complete_report(tmp_path: P
         assert r.intended_s <= r.sent_s <= r.first_token_s <= r.finish_s
         assert r.output_tokens == r.max_tokens
         assert len(r.token_gaps_s) == r.output_tokens - 1
+        # the router's strata_timings split the latency: the parts add up to the end-to-end
+        b = r.breakdown
+        parts = b.queue_s + b.prefill_s + b.pull_s + b.decode_queue_s + b.decode_s + b.other_s
+        assert parts == pytest.approx(r.finish_s - r.intended_s, rel=1e-6, abs=1e-6)
+    assert any(r.breakdown.prefill_s > 0 and r.breakdown.other_s > 0 for r in ok)
+    assert run.bytes_moved > 0  # the store daemon's counters over the run (its pages came in)
     m = run_metrics(run)
     assert m.overall.requests == len(run.records) and m.overall.ttft.p50 > 0
     md = (out / "report.md").read_text()
