@@ -10,7 +10,6 @@ result, never an error.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -38,7 +37,7 @@ from kvstore.index import Index, PageEntry
 from kvstore.keys import IoClass, Tier
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.metrics import StoreCounters, TierGauge
-from kvstore.movement import Tiers
+from kvstore.movement import NeedsDemotion, Tiers
 from kvstore.mover import Mover
 from kvstore.policy import WriteMode, make_admission
 from kvstore.scheduler import IoScheduler
@@ -385,6 +384,38 @@ class Store:
             if not victims:
                 break
             self._write_out(victims, io_class)
+        for round_ in range(_ROOM_ROUNDS + 1):
+            try:
+                lease, granted, busy = self._grant(
+                    plan, raw_headers, ttl_s, io_class, holder, client
+                )
+            except NeedsDemotion as exc:  # another call took the room made above: make it again
+                if round_ == _ROOM_ROUNDS:
+                    raise
+                self._write_out([exc.victim], io_class)
+                continue
+            break
+        slots = tuple(
+            SlotGrant(True, p.offset, p.header.payload_bytes)
+            if p is not None
+            else SlotGrant(False, 0, 0, busy[i])
+            for i, p in enumerate(granted)
+        )
+        return Reservation(lease.lease_id, slots, self._unix_ms(lease))
+
+    def _grant(
+        self,
+        plan: PutPlan,
+        raw_headers: Sequence[bytes],
+        ttl_s: float,
+        io_class: IoClass,
+        holder: Holder,
+        client: str,
+    ) -> tuple[Lease, list[_Pending | None], list[bool]]:
+        """The locked part of `reserve`: slots for the pages of `plan` still writable, and the
+        lease. Raises CapacityExhausted (NeedsDemotion: a page must be written to SSD first),
+        having reserved nothing."""
+        scope = plan.scope
         with self._lock:
             self.reap_leases()
             new = [i for i in plan.new if self._writable(plan.headers[i].key)]
@@ -418,13 +449,7 @@ class Store:
                 for p, h in zip(granted, plan.headers, strict=True)
             ]
             self._pending_keys.update(keys)
-        slots = tuple(
-            SlotGrant(True, p.offset, p.header.payload_bytes)
-            if p is not None
-            else SlotGrant(False, 0, 0, busy[i])
-            for i, p in enumerate(granted)
-        )
-        return Reservation(lease.lease_id, slots, self._unix_ms(lease))
+        return lease, granted, busy
 
     def commit(
         self,
@@ -630,12 +655,23 @@ class Store:
                     if not victims:
                         break
                     self._write_out(victims, io_class)
-                with self._lock:
-                    for i in need_ssd:
-                        entry = index.get(keys[i])
-                        if entry is not None and entry.dram is None:
-                            with contextlib.suppress(CapacityExhausted):
+                for _ in range(_ROOM_ROUNDS):  # until each has a slot or DRAM has no more room
+                    victim = None
+                    with self._lock:
+                        for i in need_ssd:
+                            entry = index.get(keys[i])
+                            if i in slots or entry is None or entry.dram is not None:
+                                continue
+                            try:
                                 slots[i] = self.tiers.allocate_dram(entry.payload_bytes)
+                            except NeedsDemotion as exc:  # the room made above was taken
+                                victim = exc.victim
+                                break
+                            except CapacityExhausted:
+                                pass
+                    if victim is None:
+                        break
+                    self._write_out([victim], io_class)
             read_ok = self._read_ssd(keys, slots, io_class) if slots else {}
             with self._lock:
                 for i in slow:

@@ -111,3 +111,48 @@ def test_a_slow_disk_write_does_not_stall_lookups_and_dram_gets(
     ssd.faults = SsdFaults()
     assert_intact(shm, scope, more)
     d.check()
+
+
+@pytest.mark.parametrize("path", ["put", "get"])
+def test_room_taken_by_another_call_meanwhile_is_made_again(
+    daemon_factory: DaemonFactory, scope: Scope, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """A call makes DRAM room with the store lock free (the pages that must go are written to
+    SSD first); another call may take that room before it allocates. It must then make room
+    again, not fail the put (CapacityExhausted) or report an SSD hit as a miss."""
+    d = daemon_factory(dram="1MiB", settings=NO_WATERMARKS)
+    client = d.client(shared_memory=True)
+    dram = d.store.tiers.dram
+    old = singles(scope, 8, seed=40)
+    client.put(scope, old)
+    for round_ in range(4):  # push `old` out to SSD: DRAM full of other pages (all only there)
+        filler = singles(scope, DRAM_PAGES, seed=41 + round_)
+        for i in range(0, len(filler), 8):
+            client.put(scope, filler[i : i + 8])
+        if all(d.tier_of(p.header.key) == (Tier.SSD,) for p in old):
+            break
+    assert all(d.tier_of(p.header.key) == (Tier.SSD,) for p in old)
+    plan = d.store.tiers.plan_dram_room
+    stolen: list[int] = []
+
+    def plan_then_steal(page_bytes: int, count: int = 1) -> list:
+        victims = plan(page_bytes, count)
+        if not victims and not stolen:  # room made: another call takes it at once
+            while (slot := dram.allocate(PAGE_BYTES)) is not None:
+                stolen.append(slot)
+            assert stolen
+        return victims
+
+    monkeypatch.setattr(d.store.tiers, "plan_dram_room", plan_then_steal)
+    if path == "put":
+        new = singles(scope, 1, seed=50)
+        assert client.put(scope, new).stored == 1
+        got = read_back(client, scope, new)
+        assert got == [bytes(new[0].payload)]
+    else:
+        assert read_back(client, scope, old[:1]) == [bytes(old[0].payload)]
+    assert stolen
+    monkeypatch.undo()
+    for slot in stolen:
+        dram.free(slot)
+    d.check()
