@@ -24,7 +24,12 @@ from loadtests.report.metrics import run_metrics
 from loadtests.report.records import RunResult
 from loadtests.sim.cluster import STORE_MODES, ClusterError, ClusterSpec, load_cluster
 from loadtests.sim.simulator import SIM_POLICIES, simulate
-from loadtests.sim.validate import fit_overheads, validation_table, without_overheads
+from loadtests.sim.validate import (
+    calibration_run,
+    fit_overheads,
+    validation_table,
+    without_overheads,
+)
 from loadtests.workload import WorkloadError, WorkloadSpec, generate_requests, load_workload
 
 
@@ -145,7 +150,7 @@ def main(argv: Sequence[str]) -> int:
         )
         return 2
     if calibration:
-        low = min(calibration, key=lambda r: r.target_rate)
+        low = calibration_run(calibration)
         bare = without_overheads(cluster)
         (sim_low,) = run_grid(
             workload, bare, model, [policies[0]], [low.target_rate], duration_s=low.duration_s
@@ -153,7 +158,8 @@ def main(argv: Sequence[str]) -> int:
         request_s, token_s = fit_overheads(calibration, sim_low)
         cluster = cluster.with_(request_overhead_s=request_s, token_overhead_s=token_s)
         print(
-            f"serving-path overheads fitted to {args.overheads_from} at {low.target_rate:g}/s: "
+            f"serving-path overheads fitted to {args.overheads_from} at {low.target_rate:g}/s "
+            f"({'valid' if run_metrics(low).valid else 'INVALID: the client fell behind'}): "
             f"{request_s * 1e3:.2f} ms per request, {token_s * 1e3:.2f} ms per decode step",
             flush=True,
         )

@@ -49,11 +49,18 @@ def validation_table(live: Sequence[RunResult], sim: Sequence[RunResult]) -> str
     return "\n".join(lines)
 
 
+def calibration_run(live: Sequence[RunResult]) -> RunResult:
+    """The run overheads are fitted to: the lowest-rate valid one (a run whose client fell behind
+    its schedule, often the first after start-up, measures the client), else the lowest."""
+    valid = [r for r in live if run_metrics(r).valid]
+    return min(valid or live, key=lambda r: r.target_rate)
+
+
 def fit_overheads(live: Sequence[RunResult], sim_at_lowest: RunResult) -> tuple[float, float]:
-    """(request_overhead_s, token_overhead_s) from the lowest-rate run of a live calibration and
-    the same rate simulated with no overheads: the TTFT and TPOT p50 the simulation misses, at a
+    """(request_overhead_s, token_overhead_s) from a live calibration's `calibration_run` and the
+    same rate simulated with no overheads: the TTFT and TPOT p50 the simulation misses, at a
     load light enough that they add rather than queue (never negative)."""
-    lowest = min(live, key=lambda r: r.target_rate)
+    lowest = calibration_run(live)
     lm, sm = run_metrics(lowest).overall, run_metrics(sim_at_lowest).overall
     request = lm.ttft.p50 - sm.ttft.p50
     token = lm.tpot.p50 - sm.tpot.p50
