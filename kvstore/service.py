@@ -322,14 +322,17 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 f"{len(request.headers)} pages in one reserve; the limit is "
                 f"{self.store.config.limits.max_keys_per_call}"
             )
-        pid = getattr(context, "peer_pid", 0) or request.client_pid  # the lane knows it for sure
+        peer_pid = getattr(context, "peer_pid", 0)  # the lane knows it for sure
+        pid = peer_pid or request.client_pid
         res = self.store.reserve(
             scope,
             list(request.headers),
             request.lease_ms,
             io_class_from_wire(request.io_class),
             holder=probe_holder(pid),
-            client=f"pid:{pid}" if pid else context.peer(),
+            # the share of DRAM is per process where the kernel says which, else per
+            # connection: a pid a client only claims would let it take share after share
+            client=f"pid:{peer_pid}" if peer_pid else context.peer(),
         )
         # the client copies these bytes itself: they pass the scheduler here, in their class
         # (a background put keeps to the background cap on the same-host path too)

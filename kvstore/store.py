@@ -893,9 +893,13 @@ class Store:
             return True
 
     def renew(self, lease_id: int, lease_ms: int = 0) -> int:
-        """Extend a lease; returns its new expiry (unix ms). Raises LeaseExpired."""
+        """Extend a lease; returns its new expiry (unix ms). A reservation is renewed for at
+        most `limits.max_reserve_lease_ms`, as it was granted. Raises LeaseExpired."""
         with self._lock:
-            lease = self.leases.renew(lease_id, self._ttl_s(lease_ms))
+            ttl_s = self._ttl_s(lease_ms)
+            if self.leases.get(lease_id).kind is LeaseKind.RESERVE:
+                ttl_s = min(ttl_s, self.config.limits.max_reserve_lease_ms / 1000.0)
+            lease = self.leases.renew(lease_id, ttl_s)
         return self._unix_ms(lease)
 
     def reap_leases(self) -> int:

@@ -154,6 +154,23 @@ def test_one_client_cannot_reserve_all_of_dram_for_long(
     assert (
         res.lease_expires_unix_ms / 1000 - asked <= d.config.limits.max_reserve_lease_ms / 1000 + 1
     )
+    # nor can it stretch the reservation with a Renew of 600 s
+    renewed = stub.Renew(pb.RenewRequest(lease_id=res.lease_id, lease_ms=600_000), timeout=10)
+    assert (
+        renewed.lease_expires_unix_ms / 1000 - time.time()
+        <= d.config.limits.max_reserve_lease_ms / 1000 + 1
+    )
+    # nor take another half by claiming to be another process on the same connection
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Reserve(
+            pb.ReserveRequest(
+                scope=scope.encode(),
+                headers=[p.header.encode() for p in everything[len(half) :]],
+                client_pid=12346,
+            ),
+            timeout=10,
+        )
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # everyone else still puts (into the other half)
     other = d.client(shared_memory=True)
     pages = singles(scope, len(everything) // 2 - 1, seed=5)
