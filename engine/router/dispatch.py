@@ -317,6 +317,7 @@ class Dispatcher:
         self.clock = clock
         self.in_flight: dict[str, Run] = {}
         self._drifted: dict[str, bool] = {}
+        self._calibration_far = False
         self.on_done: list[Callable[[Run], None]] = []  # called once per run that ends
         self.prefill_retries = 0
         self.decode_resumes = 0
@@ -390,6 +391,7 @@ class Dispatcher:
                     bytes_per_token=model.page_bytes // max(1, model.page_tokens),
                 )
             hit_tokens = reply.hit_tokens
+            self._calibrate(reply)
             run.queue_s = reply.timings.queue_s
             t = reply.timings
             run.split.update(
@@ -409,6 +411,28 @@ class Dispatcher:
             f"no prefill worker could serve the request ({last_error})",
             retry_after_s=self.retry_after_s,
         )
+
+    def _calibrate(self, reply: pb.PrefillResponse) -> None:
+        """The worker's own forward time (compute + sample) for its computed tokens after the
+        hit ones, to the core's live calibration; logged when the profile is far off."""
+        computed = reply.computed_tokens
+        cached = max(0, reply.prompt_tokens - computed)
+        seconds = reply.timings.compute_s + reply.timings.sample_s
+        if not self.core.observe_prefill(computed, cached, seconds):
+            return
+        calibration = self.core.calibration
+        assert calibration is not None
+        far = not 2 / 3 <= calibration.scale <= 1.5
+        if far != self._calibration_far:
+            self._calibration_far = far
+            log.log(
+                logging.WARNING if far else logging.INFO,
+                "prefills run at %.2fx the profile's times (median of the last %d); predictions "
+                "follow the live speed%s",
+                calibration.scale,
+                calibration.samples,
+                ": profile this machine again (strata profile)" if far else "",
+            )
 
     def stall_timeout_s(self, predicted_s: float, first: bool) -> float:
         """How long a worker may stay silent before the router gives up on it and goes

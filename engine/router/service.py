@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from engine.router.config import RouterConfig
 from engine.router.core.admission import Admission
+from engine.router.core.calibration import PrefillCalibration
 from engine.router.core.errors import ErrorKind
 from engine.router.core.ledger import DispatchLedger
 from engine.router.core.policies import build_policy
@@ -70,6 +71,7 @@ class RouterService:
             time_model,
             DispatchLedger(),
             tracker=self.tracker,
+            calibration=PrefillCalibration(time_model),  # the workers' live prefill speed
         )
         self.metrics = RouterMetrics(tracker=self.tracker)
         self.metrics.set_slo_classes(config.admission.classes)

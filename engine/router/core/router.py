@@ -6,8 +6,9 @@
         pick  = admission.admit(request, pick, views, now)
         if admitted: ledger.reserve(...); admission.on_dispatch(...)
 
-`resume` places the rest of a decode whose worker died (`place_resume`: decode-only, priced,
-explained) and moves its ledger and admission records there; and the events the caller feeds
+`observe_prefill` feeds a worker's own prefill timing to the live calibration (when the core
+has one: prefills are then priced at the speed the workers show). `resume` places the rest of
+a decode whose worker died (`place_resume`: decode-only, priced, explained) and moves its ledger and admission records there; and the events the caller feeds
 back as the request runs: `on_first_token` (the prefill is done:
 the ledger moves it to decode, the TTFT prediction is scored), `on_finish` (the TPOT prediction is
 scored, every record released) and `on_failed` (released, nothing scored). `explain` turns a
@@ -24,6 +25,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from engine.router.core.admission import Admission
+from engine.router.core.calibration import PrefillCalibration
 from engine.router.core.ledger import DispatchLedger
 from engine.router.core.policies import Policy
 from engine.router.core.prediction import PredictionTracker
@@ -48,10 +50,13 @@ class RouterCore:
         model: TimeModel,
         ledger: DispatchLedger | None = None,
         tracker: PredictionTracker | None = None,
+        calibration: PrefillCalibration | None = None,
     ) -> None:
         self.policy = policy
         self.admission = admission
         self.model = model
+        # prices prefills at the speed the workers report (None: as profiled)
+        self.calibration = calibration
         self.ledger = ledger if ledger is not None else DispatchLedger()
         self.tracker = tracker if tracker is not None else PredictionTracker()
         self._open: dict[str, _Open] = {}
@@ -101,6 +106,17 @@ class RouterCore:
             self.ledger.reserve(rest, decision, now)
             self.admission.on_resume(request.request_id, decision.decode_id)
         return decision
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> bool:
+        """A worker computed `new_tokens` after `cached_tokens` in `seconds` (its own timing):
+        with a calibration, later decisions price prefills at the live speed. Returns whether
+        the model changed."""
+        if self.calibration is None or not self.calibration.observe(
+            new_tokens, cached_tokens, seconds
+        ):
+            return False
+        self.model = self.calibration.model
+        return True
 
     def on_first_token(self, request_id: str, now: float) -> float | None:
         """The first token arrived; returns the TTFT prediction's relative error (None if unknown)."""
