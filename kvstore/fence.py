@@ -53,13 +53,43 @@ class Holder:
 DAEMON = Holder(0, 0)
 
 
-def probe_holder(pid: int) -> Holder:
+def probe_holder(pid: int, segment: str | None = None) -> Holder:
     """The holder for a client that says it is process `pid` (its start time read now, while it
     is surely alive: it just made a call). A pid this daemon cannot see gives a holder that is
-    never known to be gone."""
+    never known to be gone.
+
+    `segment`: the path of the DRAM segment, when the pid is only what the client claims (over
+    gRPC; the lane has it from the kernel): a process that does not map the segment cannot be
+    the writer (a client in another PID namespace names a pid that here is another process, whose
+    exit says nothing of the writer), so it gives the unknown holder too."""
     if pid <= 0:
         return Holder(-1, 0)  # unknown process: never known to be gone
-    return Holder(pid, _start_ticks(pid))
+    holder = Holder(pid, _start_ticks(pid))
+    if segment is not None and holder.start_ticks and not _maps(holder, segment):
+        return Holder(-1, 0)
+    return holder
+
+
+_MAPPERS: set[Holder] = set()  # processes seen mapping the segment (a process keeps its map)
+_MAPPERS_MAX = 4096
+
+
+def _maps(holder: Holder, segment: str) -> bool:
+    """Whether process `holder` maps the file `segment` (read from /proc/<pid>/maps; False when
+    it cannot be read, e.g. another user's process)."""
+    if holder in _MAPPERS:
+        return True
+    want = segment.encode()
+    try:
+        with open(f"/proc/{holder.pid}/maps", "rb") as fh:
+            found = any(line.rstrip(b"\n").endswith(want) for line in fh)
+    except OSError:
+        return False
+    if found:
+        if len(_MAPPERS) >= _MAPPERS_MAX:
+            _MAPPERS.clear()
+        _MAPPERS.add(holder)
+    return found
 
 
 def _start_ticks(pid: int) -> int:

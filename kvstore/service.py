@@ -329,7 +329,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             list(request.headers),
             request.lease_ms,
             io_class_from_wire(request.io_class),
-            holder=probe_holder(pid),
+            holder=probe_holder(pid, None if peer_pid else str(self.store.tiers.dram.path)),
             # the share of DRAM is per process where the kernel says which, else per
             # connection: a pid a client only claims would let it take share after share
             client=f"pid:{peer_pid}" if peer_pid else context.peer(),

@@ -26,6 +26,7 @@ from conftest import PAGE_BYTES, DaemonFactory, RunningDaemon, keys_of, read_bac
 
 from client import IoClass, Page, Scope, StoreClient
 from client.errors import DeadlineExceeded
+from kvstore_pb import store_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
@@ -295,3 +296,46 @@ def test_a_reserve_whose_caller_gave_up_leaves_nothing_quarantined(
     assert d.store.tiers.dram.allocated_blocks == 1  # the first page only
     d.check()
     assert slow.put(scope, [second]).stored == 1  # the key is free
+
+
+def test_a_pid_a_grpc_client_only_claims_does_not_end_its_quarantine(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
+    """Over gRPC a client only says which process it is (a client in another PID namespace
+    names a pid that, here, is some other process). A pid whose process does not even map the
+    daemon's segment cannot be the writer: its exit must not free the slots of the writer's
+    expired reservation while the writer may still copy into them."""
+    d = daemon_factory(dram="1MiB", ssd=None, clock=True, settings=NO_WATERMARKS)
+    stub = d.stub()
+    first, second = singles(scope, 2, seed=9)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        res = stub.Reserve(
+            pb.ReserveRequest(
+                scope=scope.encode(), headers=[first.header.encode()], client_pid=bystander.pid
+            ),
+            timeout=10,
+        )
+        assert res.slots[0].reserved
+        expire_leases(d)
+        assert d.store.quarantine.blocks == 1
+    finally:
+        bystander.kill()
+        bystander.wait()
+    d.store.reap_leases()  # the claimed process is gone; the writer (this one) is not
+    assert d.store.quarantine.blocks == 1
+    stub.Release(pb.ReleaseRequest(lease_id=res.lease_id), timeout=10)  # its late call
+    assert d.store.quarantine.blocks == 0
+    d.check()
+    # a process that maps the segment is believed: its death does end the quarantine
+    d.client(shared_memory=True).stats()  # this process maps the segment now
+    res = stub.Reserve(
+        pb.ReserveRequest(
+            scope=scope.encode(), headers=[second.header.encode()], client_pid=os.getpid()
+        ),
+        timeout=10,
+    )
+    with d.store._lock:
+        assert d.store._pending_holder[res.lease_id].pid == os.getpid()
+    stub.Release(pb.ReleaseRequest(lease_id=res.lease_id), timeout=10)
+    d.check()
