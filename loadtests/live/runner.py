@@ -7,7 +7,9 @@ the open-loop schedule (`openloop.py`) and every request goes out in its own gre
 Bounded in time: each rate runs its duration, then waits at most the request timeout for the
 stragglers, which count as timed out. With `--rates` it sweeps and the report gives the goodput
 (the highest rate at which ≥ 90% of requests meet both targets of their class). Progress lines
-every few seconds: elapsed, sent, in flight, current send and completion rates. Bytes moved and
+every few seconds: elapsed, sent, in flight, current send and completion rates. Before each rate,
+`--warmup` (3) unrecorded requests go out one at a time (the first requests after start-up are
+slow). Bytes moved and
 evictions are the store daemon's counters (its Prometheus metrics, which `--up` finds and
 `--store-metrics URL` gives) read before and after each rate.
 """
@@ -59,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument(
         "--send-class", action="store_true", help="send each request's class (x-strata-slo-class)"
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="unrecorded requests (prompts outside the workload) sent one at a time before each rate",
     )
     ap.add_argument("--progress-s", type=float, default=5.0)
     ap.add_argument("--max-lag-ms", type=float, default=50.0)
@@ -183,6 +191,19 @@ def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: f
         json.dumps(completion_body(model, request_token_ids(r, spec.model), r.max_tokens)).encode()
         for r in requests
     ]
+
+    # Warm-up: a few requests of prompts outside the workload (nothing it shares gets cached),
+    # one at a time and not recorded, so the first rate after start-up is not slower than the rest.
+    for i in range(args.warmup):
+        prompt = [3 + (i * 7919 + j * 104729) % (spec.model.vocab_size - 3) for j in range(32)]
+        stream_completion(
+            http,
+            base_url,
+            completion_body(model, prompt, 4),
+            Sent(f"warmup-{i}", "", 0.0, 0.0, len(prompt), 4),
+            time.monotonic,
+            timeout_s=args.request_timeout,
+        )
 
     def fire(index: int, intended: float, sent_at: float) -> None:
         req = requests[index]
