@@ -15,6 +15,7 @@
     min_stall_s = 10.0        # a worker silent this long in a call (and 20x its prediction)
                               # is given up on: the prefill or decode goes to another
     debug_decisions = 256     # decisions kept for GET /debug/decisions
+    calibrate = true          # price prefills at the speed the workers report (core/calibration)
     api_keys = ""             # API key file (engine.router.tenancy); "" = open, loopback only
     allow_open = false        # listen on a non-loopback host without API keys anyway
 
@@ -57,6 +58,7 @@ class RouterConfig:
     max_attempts: int = 3
     min_stall_s: float = 10.0
     debug_decisions: int = 256
+    calibrate: bool = True
     seed: int = 0
     api_keys: str = ""
     allow_open: bool = False

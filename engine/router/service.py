@@ -71,7 +71,8 @@ class RouterService:
             time_model,
             DispatchLedger(),
             tracker=self.tracker,
-            calibration=PrefillCalibration(time_model),  # the workers' live prefill speed
+            # the workers' live prefill speed
+            calibration=PrefillCalibration(time_model) if config.calibrate else None,
         )
         self.metrics = RouterMetrics(tracker=self.tracker)
         self.metrics.set_slo_classes(config.admission.classes)

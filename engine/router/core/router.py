@@ -7,7 +7,8 @@
         if admitted: ledger.reserve(...); admission.on_dispatch(...)
 
 `observe_prefill` feeds a worker's own prefill timing to the live calibration (when the core
-has one: prefills are then priced at the speed the workers show). `resume` places the rest of
+has one: prefills are then priced at the speed the workers show; the tracker still scores the
+profile's own TTFT prediction, so a drifted profile shows in its error). `resume` places the rest of
 a decode whose worker died (`place_resume`: decode-only, priced, explained) and moves its ledger and admission records there; and the events the caller feeds
 back as the request runs: `on_first_token` (the prefill is done:
 the ledger moves it to decode, the TTFT prediction is scored), `on_finish` (the TPOT prediction is
@@ -80,9 +81,21 @@ class RouterCore:
             self.ledger.reserve(request, decision, now)
             self.admission.on_dispatch(request, decision, now)
             self._open[request.request_id] = _Open(
-                now, decision.predicted_ttft_s, decision.predicted_tpot_s
+                now, self._profiled_ttft_s(decision), decision.predicted_tpot_s
             )
         return decision
+
+    def _profiled_ttft_s(self, decision: Placement) -> float:
+        """The TTFT the profile itself predicts for `decision`, which the tracker scores (so a
+        drifted profile stays visible in its error while decisions follow the calibration):
+        the winner's queue and compute without the live scale, its pull as priced."""
+        cal = self.calibration
+        if cal is None or cal.scale == 1.0 or not decision.candidates:
+            return decision.predicted_ttft_s
+        won = decision.candidates[0]
+        if (won.prefill_id, won.decode_id) != (decision.prefill_id, decision.decode_id):
+            return decision.predicted_ttft_s
+        return won.pull_s + (won.queue_s + won.compute_s) / cal.scale
 
     def resume(
         self,
