@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import tempfile
@@ -101,7 +102,7 @@ def main(argv: Sequence[str]) -> int:
             )
             runs = [
                 _with_store_counters(
-                    store_metrics, lambda r=rate: _run_rate(args, spec, base_url, model, r)
+                    store_metrics, functools.partial(_run_rate, args, spec, base_url, model, rate)
                 )
                 for rate in rates
             ]
