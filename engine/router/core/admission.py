@@ -10,7 +10,10 @@ A request is refused (never queued at the router) when
   batch to finish. In the default "predicted" mode TPOT is the decode
   worker's batch at the moment the prefill finishes (departures and the ledger's joins counted,
   see estimate.py), so admission does not swing with the momentary batch; "current" takes the
-  batch as reported now and exists as the baseline to compare against;
+  batch as reported now and exists as the baseline to compare against. On a co-located decode
+  worker both modes add the steady-state prefill stall (`prefill_stall_s(steady=True)`: the
+  prefills that will follow the batch's requests run in its steps), and with `tpot_margin` the
+  prediction must leave that part of the target free;
 - its class is past its share of the prefill capacity while another class that is within its
   share (or of higher priority) is active (`class_share`).
 
