@@ -204,6 +204,7 @@ def drill_prefill_down(
         killed_at = time.monotonic()
         for w in prefills:
             cluster.kill(w)
+        all_dead_at = time.monotonic()  # until the last kill, a live prefill may still serve
         first_503 = wait_until(
             lambda: any(p.status == 503 for p in prober.since(killed_at)), timeout_s
         )
@@ -214,7 +215,7 @@ def drill_prefill_down(
         recover = wait_until(
             lambda: any(p.status == 200 for p in prober.since(ready_at)), timeout_s
         )
-        down = [p for p in prober.since(killed_at) if p.sent_s < restart_at]
+        down = [p for p in prober.since(all_dead_at) if p.sent_s < restart_at]
     finally:
         prober.stop()
     if restart_all:

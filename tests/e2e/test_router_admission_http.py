@@ -41,6 +41,7 @@ CONFIG = f"""
 [router]
 policy = "strata"
 calibrate = false  # the pessimistic profile stays as it is: that is what is tested
+drop_after_s = 5.0  # not a failover test: a load report late on a busy 2-core host is no death
 [admission]
 default_class = "interactive"
 [[admission.classes]]
