@@ -111,7 +111,9 @@ class DaemonProcess:
                 os.unlink(f"/dev/shm/{self.segment}")
 
     def __enter__(self) -> DaemonProcess:
-        return self.start()
+        # `with DaemonProcess(...).start() as d:` must not start a second daemon (the first
+        # would be left running, orphaned, with its shared-memory segment).
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -181,3 +181,28 @@ client.close()
         assert "results " + str([(3, True, 3)] * 8) in done.stdout
         with StoreClient(proc.address, shared_memory=False) as rpc:
             assert rpc.stats().pages == 24
+
+
+def _serve_processes_for(data_dir: Path) -> list[int]:
+    """PIDs of `strata serve` processes whose command line names `data_dir`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                args = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in args and str(data_dir).encode() in args:
+            found.append(int(entry))
+    return found
+
+
+def test_a_started_daemon_used_as_a_context_manager_runs_once_and_is_stopped(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "store"
+    with DaemonProcess(data_dir, dram="16MiB", ssd="0").start() as daemon:
+        assert _serve_processes_for(data_dir) == [daemon.pid]
+    assert wait_for(lambda: not _serve_processes_for(data_dir), 20)
