@@ -124,13 +124,14 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         body = error_body(RouterError(kind, str(exc.detail)))
         return JSONResponse(body, status_code=exc.status_code)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
-    async def completions(
-        body: CompletionRequest,
-        grant: Annotated[Grant, Depends(caller)],
-        x_strata_slo_class: Annotated[str | None, Header()] = None,
+    async def serve(
+        body: CompletionRequest | ChatCompletionRequest,
+        slo_class: str | None,
+        grant: Grant,
     ) -> Response:
-        prepared = service.prepare(body, x_strata_slo_class, grant)
+        """One completion, plain or chat: dispatch it, then stream it as SSE or answer in full."""
+        chat = isinstance(body, ChatCompletionRequest)
+        prepared = service.prepare(body, slo_class, grant)
         run = await service.dispatch(prepared)
         model = prepared.job.model.model_id
         headers = _placement_headers(run)
@@ -138,7 +139,7 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
             include = bool(body.stream_options and body.stream_options.include_usage)
             events = sse_events(
                 run,
-                chat=False,
+                chat=chat,
                 response_id=prepared.response_id,
                 created=prepared.created,
                 model=model,
@@ -147,20 +148,42 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
             )
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         got = await collect(run)
-        response = CompletionResponse(
-            id=prepared.response_id,
-            created=prepared.created,
-            model=model,
-            choices=[
-                CompletionChoice(
-                    text=got.text,
-                    finish_reason=got.finish_reason or None,
-                    token_ids=got.token_ids if body.return_token_ids else None,
-                )
-            ],
-            usage=usage_of(run),
-        )
-        return JSONResponse(response.model_dump(exclude_none=False), headers=headers)
+        finish = got.finish_reason or None
+        token_ids = got.token_ids if body.return_token_ids else None
+        response: CompletionResponse | ChatCompletionResponse
+        if chat:
+            response = ChatCompletionResponse(
+                id=prepared.response_id,
+                created=prepared.created,
+                model=model,
+                choices=[
+                    ChatChoice(
+                        message=AssistantMessage(content=got.text),
+                        finish_reason=finish,
+                        token_ids=token_ids,
+                    )
+                ],
+                usage=usage_of(run),
+            )
+        else:
+            response = CompletionResponse(
+                id=prepared.response_id,
+                created=prepared.created,
+                model=model,
+                choices=[
+                    CompletionChoice(text=got.text, finish_reason=finish, token_ids=token_ids)
+                ],
+                usage=usage_of(run),
+            )
+        return JSONResponse(response.model_dump(), headers=headers)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+    async def completions(
+        body: CompletionRequest,
+        grant: Annotated[Grant, Depends(caller)],
+        x_strata_slo_class: Annotated[str | None, Header()] = None,
+    ) -> Response:
+        return await serve(body, x_strata_slo_class, grant)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(
@@ -168,37 +191,7 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         grant: Annotated[Grant, Depends(caller)],
         x_strata_slo_class: Annotated[str | None, Header()] = None,
     ) -> Response:
-        prepared = service.prepare(body, x_strata_slo_class, grant)
-        run = await service.dispatch(prepared)
-        model = prepared.job.model.model_id
-        headers = _placement_headers(run)
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            events = sse_events(
-                run,
-                chat=True,
-                response_id=prepared.response_id,
-                created=prepared.created,
-                model=model,
-                include_usage=include,
-                token_ids=body.return_token_ids,
-            )
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        got = await collect(run)
-        response = ChatCompletionResponse(
-            id=prepared.response_id,
-            created=prepared.created,
-            model=model,
-            choices=[
-                ChatChoice(
-                    message=AssistantMessage(content=got.text),
-                    finish_reason=got.finish_reason or None,
-                    token_ids=got.token_ids if body.return_token_ids else None,
-                )
-            ],
-            usage=usage_of(run),
-        )
-        return JSONResponse(response.model_dump(), headers=headers)
+        return await serve(body, x_strata_slo_class, grant)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(caller)])
     async def models() -> ModelList:

@@ -10,9 +10,9 @@ carries predicted TTFT and TPOT, whichever policy made it.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from engine.router.core.estimate import (
     DecodeLoad,
@@ -163,3 +163,19 @@ def pick_pair(
     """A placement for a pair a simple policy chose, priced so admission can judge it."""
     cand = price(request, prefill, decode, model, now, prefix_groups(request))
     return placement_of(cand, policy)
+
+
+_Key = TypeVar("_Key", int, tuple[int, int])
+
+
+def lowest(
+    workers: Sequence[WorkerView],
+    key: Callable[[WorkerView], _Key],
+    rng: random.Random,
+) -> WorkerView:
+    """A random one of the workers with the smallest `key(worker)` (ties drawn from `rng` in
+    worker-id order, so a seed gives the same pick)."""
+    keyed = [(key(w), w) for w in workers]
+    best = min(k for k, _ in keyed)
+    tied = sorted((w for k, w in keyed if k == best), key=lambda w: w.worker_id)
+    return tied[0] if len(tied) == 1 else rng.choice(tied)

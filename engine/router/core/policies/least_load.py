@@ -8,9 +8,9 @@ the tied workers (from the `rng` passed in), so equal workers share a burst.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from engine.router.core.policies.base import no_worker, pick_pair, pools
+from engine.router.core.policies.base import lowest, no_worker, pick_pair, pools
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import Placement, Refusal, RequestView, WorkerView
 
@@ -22,18 +22,6 @@ def prefill_load(worker: WorkerView) -> tuple[int, int]:
 def decode_load(worker: WorkerView) -> tuple[int, int]:
     joining = len(worker.pending_joins)
     return (worker.running_requests + joining, worker.running_context_tokens)
-
-
-def least(
-    workers: Sequence[WorkerView],
-    key: Callable[[WorkerView], tuple[int, int]],
-    rng: random.Random,
-) -> WorkerView:
-    """A random one of the workers with the smallest `key(worker)`."""
-    keyed = [(key(w), w) for w in workers]
-    best = min(k for k, _ in keyed)
-    tied = sorted((w for k, w in keyed if k == best), key=lambda w: w.worker_id)
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 class LeastLoad:
@@ -51,6 +39,6 @@ class LeastLoad:
         servable = pool.servable
         if not servable:
             return no_worker(request, workers)
-        prefill = least(servable, prefill_load, rng)
-        decode = least(pool.decoders_for(prefill), decode_load, rng)
+        prefill = lowest(servable, prefill_load, rng)
+        decode = lowest(pool.decoders_for(prefill), decode_load, rng)
         return pick_pair(request, prefill, decode, model, now, self.name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from engine.router.core.policies.base import no_worker, pick_pair, pools
+from engine.router.core.policies.base import lowest, no_worker, pick_pair, pools
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import Placement, Refusal, RequestView, WorkerView
 
@@ -22,10 +22,8 @@ def local_pages(request: RequestView, worker: WorkerView) -> int:
 
 
 def most(workers: Sequence[WorkerView], request: RequestView, rng: random.Random) -> WorkerView:
-    keyed = [(local_pages(request, w), w) for w in workers]
-    best = max(k for k, _ in keyed)
-    tied = sorted((w for k, w in keyed if k == best), key=lambda w: w.worker_id)
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+    """A random one of the workers with the most of the request's hit pages on their host."""
+    return lowest(workers, lambda w: -local_pages(request, w), rng)
 
 
 class LongestPrefix:
