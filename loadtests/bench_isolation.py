@@ -176,18 +176,29 @@ class LoadProcess:
 
     def pause(self, timeout_s: float = 60.0) -> int:
         """Pause it and wait until it is idle; the bytes it has moved so far."""
-        os.kill(self.proc.pid, signal.SIGUSR1)
-        with self._state:
-            if not self._state.wait_for(lambda: self._paused is not None, timeout_s):
-                raise RuntimeError("a load process did not pause")
-            assert self._paused is not None
-            return self._paused
+        self._signal_until(signal.SIGUSR1, lambda: self._paused is not None, timeout_s, "pause")
+        assert self._paused is not None
+        return self._paused
 
     def resume(self, timeout_s: float = 60.0) -> None:
-        os.kill(self.proc.pid, signal.SIGUSR2)
+        self._signal_until(signal.SIGUSR2, lambda: self._paused is None, timeout_s, "resume")
+
+    def _signal_until(
+        self, sig: int, done: Callable[[], bool], timeout_s: float, what: str
+    ) -> None:
+        """Send `sig` until `done()` (pausing and resuming are idempotent, so a repeat is
+        harmless); a clear error when the process has died or does not answer in time."""
+        deadline = time.monotonic() + timeout_s
         with self._state:
-            if not self._state.wait_for(lambda: self._paused is None, timeout_s):
-                raise RuntimeError("a load process did not resume")
+            while not done():
+                code = self.proc.poll()
+                if code is not None:
+                    raise RuntimeError(f"a load process exited with {code} before it would {what}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"a load process did not {what}")
+                os.kill(self.proc.pid, sig)
+                self._state.wait_for(done, min(left, 2.0))
 
     def stop(self) -> dict[str, float]:
         if self.proc.poll() is None:

@@ -794,13 +794,15 @@ from kvstore_pb.store_pb2_grpc import StoreStub
 
 address, segment, digest, keys, scope, header = sys.argv[1:7]
 stub = StoreStub(grpc.insecure_channel(address))
+# a same-host writer maps the segment first, as the SDK does: the daemon believes the pid a
+# gRPC client claims only of a process that maps it
+fd = os.open("/dev/shm/" + segment, os.O_RDWR)
+m = mmap.mmap(fd, 0)
 held = stub.Acquire(pb.AcquireRequest(scope_digest=bytes.fromhex(digest),
                                       keys=bytes.fromhex(keys)), timeout=10)
 res = stub.Reserve(pb.ReserveRequest(scope=bytes.fromhex(scope), headers=[bytes.fromhex(header)],
                                      client_pid=os.getpid()), timeout=10)
 slot = res.slots[0]
-fd = os.open("/dev/shm/" + segment, os.O_RDWR)
-m = mmap.mmap(fd, 0)
 m[slot.offset : slot.offset + 100] = b"half-written page " * 5 + b"xxxxxxxxxx"  # then it dies
 print(held.lease_id, res.lease_id, sum(p.present for p in held.pages), slot.reserved, flush=True)
 os._exit(0)
