@@ -43,3 +43,11 @@ class DeadlineExceeded(Unavailable):
 
 class Corrupt(StrataError):
     """Bytes failed verification (bad magic, header checksum or payload checksum)."""
+
+
+class Unauthenticated(StrataError):
+    """The call carried no token, or one that names no principal (gRPC UNAUTHENTICATED)."""
+
+
+class PermissionDenied(StrataError):
+    """The caller's principal may not do this to this namespace (gRPC PERMISSION_DENIED)."""

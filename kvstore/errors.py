@@ -8,7 +8,9 @@ from client.errors import (
     DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
+    PermissionDenied,
     StrataError,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -18,6 +20,8 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidArgument",
     "LeaseExpired",
+    "PermissionDenied",
     "StrataError",
+    "Unauthenticated",
     "Unavailable",
 ]

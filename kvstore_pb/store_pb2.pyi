@@ -291,19 +291,26 @@ class LookupRequest(_message.Message):
 
     SCOPE_DIGEST_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     scope_digest: _builtins.bytes
     """16 bytes"""
     keys: _builtins.bytes
     """packed 16-byte keys, a prefix chain in order"""
+    scope: _builtins.bytes
+    """The canonical Scope encoding (client/scope.py). A daemon with auth on needs it: it derives
+    the digest from it (refusing one that differs from scope_digest) and checks its namespace
+    against the caller's token. Likewise on every read below.
+    """
     def __init__(
         self,
         *,
         scope_digest: _builtins.bytes = ...,
         keys: _builtins.bytes = ...,
+        scope: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "scope_digest", b"scope_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "scope", b"scope", "scope_digest", b"scope_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -455,20 +462,24 @@ class GetRequest(_message.Message):
     SCOPE_DIGEST_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
     IO_CLASS_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     scope_digest: _builtins.bytes
     keys: _builtins.bytes
     """packed 16-byte keys"""
     io_class: Global___IoClass.ValueType
+    scope: _builtins.bytes
+    """canonical Scope encoding (see LookupRequest.scope)"""
     def __init__(
         self,
         *,
         scope_digest: _builtins.bytes = ...,
         keys: _builtins.bytes = ...,
         io_class: Global___IoClass.ValueType = ...,
+        scope: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["io_class", b"io_class", "keys", b"keys", "scope_digest", b"scope_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["io_class", b"io_class", "keys", b"keys", "scope", b"scope", "scope_digest", b"scope_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -652,12 +663,15 @@ class AcquireRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     IO_CLASS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     scope_digest: _builtins.bytes
     keys: _builtins.bytes
     """packed 16-byte keys"""
     io_class: Global___IoClass.ValueType
     lease_ms: _builtins.int
     """0 = the node's default"""
+    scope: _builtins.bytes
+    """canonical Scope encoding (see LookupRequest.scope)"""
     def __init__(
         self,
         *,
@@ -665,10 +679,11 @@ class AcquireRequest(_message.Message):
         keys: _builtins.bytes = ...,
         io_class: Global___IoClass.ValueType = ...,
         lease_ms: _builtins.int = ...,
+        scope: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["io_class", b"io_class", "keys", b"keys", "lease_ms", b"lease_ms", "scope_digest", b"scope_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["io_class", b"io_class", "keys", b"keys", "lease_ms", b"lease_ms", "scope", b"scope", "scope_digest", b"scope_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -830,19 +845,25 @@ class DeleteRequest(_message.Message):
 
     KEYS_FIELD_NUMBER: _builtins.int
     SCOPE_DIGEST_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     keys: _builtins.bytes
     """packed 16-byte keys"""
     scope_digest: _builtins.bytes
     """every page of this scope"""
+    scope: _builtins.bytes
+    """With scope_digest: its canonical Scope encoding (needed by a daemon with auth on, which
+    checks the caller may delete in its namespace). Deleting by keys needs no scope.
+    """
     def __init__(
         self,
         *,
         keys: _builtins.bytes = ...,
         scope_digest: _builtins.bytes = ...,
+        scope: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "scope_digest", b"scope_digest", "target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "scope_digest", b"scope_digest", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "scope", b"scope", "scope_digest", b"scope_digest", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_target: _TypeAlias = _typing.Literal["keys", "scope_digest"]  # noqa: Y015
     _WhichOneofArgType_target: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
@@ -970,16 +991,20 @@ class WatchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SCOPE_DIGEST_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
     scope_digest: _builtins.bytes
-    """empty = every scope"""
+    """empty = every scope (that the caller may read, with auth on)"""
+    scope: _builtins.bytes
+    """with scope_digest: its canonical Scope encoding (see LookupRequest)"""
     def __init__(
         self,
         *,
         scope_digest: _builtins.bytes = ...,
+        scope: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["scope_digest", b"scope_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["scope", b"scope", "scope_digest", b"scope_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
