@@ -56,6 +56,7 @@ from client.shm import (
     segments_current,
     write_reserved,
 )
+from client.tls import TlsOptions, open_aio_channel, open_channel, resolve_tls
 from client.types import (
     Event,
     GetResult,
@@ -120,10 +121,12 @@ class AsyncStoreClient:
         retries: int = 2,
         io_class: IoClass = IoClass.NORMAL,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: TlsOptions | bool | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
             raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
         self.address = address
+        self._tls = resolve_tls(tls)
         self._shared_memory = shared_memory
         self._timeout_s = timeout_s
         self._policy = RetryPolicy(retries)
@@ -315,8 +318,8 @@ class AsyncStoreClient:
         # status, while the blocking stub returns the daemon's status. Messages are built by hand
         # (one copy of each payload), so the call sends them as is.
         if self._put_channel is None:
-            self._put_channel = grpc.insecure_channel(
-                self.address, options=channel_options(self._max_message_bytes)
+            self._put_channel = open_channel(
+                self.address, channel_options(self._max_message_bytes), self._tls
             )
         put = self._put_channel.stream_unary(
             PUT_METHOD,
@@ -432,7 +435,7 @@ class AsyncStoreClient:
 
     async def _open(self) -> _Connection:
         options = channel_options(self._max_message_bytes)
-        channel = grpc.aio.insecure_channel(self.address, options=options)
+        channel = open_aio_channel(self.address, options, self._tls)
         try:
             stub = _async_stub(channel)
             reply = await self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)

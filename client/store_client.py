@@ -67,6 +67,7 @@ from client.shm import (
     segments_current,
     write_reserved,
 )
+from client.tls import TlsOptions, open_channel, resolve_tls
 from client.types import (
     Event,
     GetResult,
@@ -133,6 +134,11 @@ class StoreClient:
     environment configures a fabric for it (UCX_TLS naming RDMA or GPU transports), else the TCP
     data path, else UCX, else gRPC streams (the choice is said once in the log, as is a fall back
     to gRPC after a transport failure).
+
+    `tls` (client/tls.py): TlsOptions (CA file, client certificate and key), True (system CAs),
+    False (plaintext), None (the STRATA_STORE_TLS_* environment; plaintext when unset). With TLS
+    gRPC and the TCP data path are encrypted and UCX is never used; nothing falls back to
+    plaintext.
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class StoreClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         ucx: bool | None = None,
         tcp: bool | None = None,
+        tls: TlsOptions | bool | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
             raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
@@ -155,7 +162,8 @@ class StoreClient:
         self._policy = RetryPolicy(retries)
         self._io_class = IoClass(io_class)
         self._max_message_bytes = max_message_bytes
-        self._ucx = UcxLink(ucx, address, tcp)
+        self._tls = resolve_tls(tls)
+        self._ucx = UcxLink(ucx, address, tcp, self._tls)
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
         self._closed = False
@@ -608,9 +616,7 @@ class StoreClient:
         return conn
 
     def _open(self) -> _Connection:
-        channel = grpc.insecure_channel(
-            self.address, options=channel_options(self._max_message_bytes)
-        )
+        channel = open_channel(self.address, channel_options(self._max_message_bytes), self._tls)
         try:
             stub = StoreStub(channel)
             node = node_info_from_proto(

@@ -27,7 +27,8 @@ from typing import Any, TypeVar
 
 from client.errors import Corrupt, DeadlineExceeded, InvalidArgument, StrataError, Unavailable
 from client.page import PageHeader
-from client.tcp_endpoint import EndpointClosed, connect_tcp
+from client.tcp_endpoint import EndpointClosed, connect_tcp, connect_tls
+from client.tls import TlsOptions
 from client.types import PutStatus
 from client.ucx_protocol import (
     KIND_DONE,
@@ -102,7 +103,14 @@ class UcxTransport:
     connection breaks. Thread-safe. `close()` drops every endpoint.
     """
 
-    def __init__(self, address: str, *, fallback_host: str = "", max_page_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        fallback_host: str = "",
+        max_page_bytes: int = 0,
+        tls: TlsOptions | None = None,
+    ) -> None:
         self.address = address
         try:
             self._host, self._port = parse_address(address, fallback_host)
@@ -110,6 +118,10 @@ class UcxTransport:
             raise TransportFailed(str(exc)) from None
         self._max_page_bytes = max_page_bytes or (1 << 62)
         self._tcp = address.startswith(TCP_SCHEME)
+        if tls is not None and not self._tcp:
+            raise TransportFailed("the UCX data path cannot be encrypted (this client uses TLS)")
+        self._tls = tls
+        self._ssl = tls.ssl_context() if tls is not None else None
         self._ucxx: Any = None
         if self._tcp:
             self._loop = bulk_loop()
@@ -217,11 +229,13 @@ class UcxTransport:
             raise TransportFailed(f"the UCX loop did not answer within {timeout_s:.1f} s") from None
 
     async def _connect(self, timeout_s: float) -> Any:
-        connecting = (
-            connect_tcp(self._host, self._port)
-            if self._tcp
-            else self._ucxx.create_endpoint(self._host, self._port)
-        )
+        connecting: Coroutine[Any, Any, Any]
+        if self._ssl is not None and self._tls is not None:
+            connecting = connect_tls(self._host, self._port, self._ssl, self._tls.server_name)
+        elif self._tcp:
+            connecting = connect_tcp(self._host, self._port)
+        else:
+            connecting = self._ucxx.create_endpoint(self._host, self._port)
         try:
             return await asyncio.wait_for(connecting, max(timeout_s, 0.001))
         except Exception as exc:
@@ -369,12 +383,20 @@ class UcxLink:
     when the environment configures a fabric for it (see `fabric_configured`); otherwise TCP
     (over plain TCP, UCX adds nothing and measures slower); otherwise UCX if it is the only one;
     otherwise gRPC. A transport failure sends the client to gRPC for good (said once in the log,
-    as is the first choice). Thread-safe.
+    as is the first choice). With `tls` the TCP data path goes over TLS and UCX (which cannot be
+    encrypted) is never chosen: required, it is Unavailable. Thread-safe.
     """
 
-    def __init__(self, mode: bool | None, grpc_address: str, tcp: bool | None = None) -> None:
+    def __init__(
+        self,
+        mode: bool | None,
+        grpc_address: str,
+        tcp: bool | None = None,
+        tls: TlsOptions | None = None,
+    ) -> None:
         self.mode = mode
         self.tcp_mode = tcp
+        self._tls = tls
         host, sep, _ = grpc_address.rpartition(":")
         self._grpc_host = host.strip("[]") if sep and not grpc_address.startswith("unix:") else ""
         self._lock = threading.Lock()
@@ -410,7 +432,10 @@ class UcxLink:
             try:
                 chosen = self._choose(address, tcp_address)
                 transport = UcxTransport(
-                    chosen, fallback_host=self._grpc_host, max_page_bytes=max_page_bytes
+                    chosen,
+                    fallback_host=self._grpc_host,
+                    max_page_bytes=max_page_bytes,
+                    tls=self._tls,
                 )
                 try:
                     transport.open(timeout_s)
@@ -426,9 +451,16 @@ class UcxLink:
 
     def _choose(self, ucx_address: str, tcp_address: str) -> str:
         """The address to use; TransportFailed when none (or not the one required)."""
-        ucx_usable = self.mode is not False and bool(ucx_address) and ucxx_installed()
+        encrypted = self._tls is not None
+        ucx_usable = (
+            self.mode is not False and bool(ucx_address) and ucxx_installed() and not encrypted
+        )
         tcp_usable = self.tcp_mode is not False and bool(tcp_address)
         if self.mode is True:
+            if encrypted:
+                raise TransportFailed(
+                    "the UCX data path cannot be encrypted (this client uses TLS)"
+                )
             if not ucxx_installed():
                 raise TransportFailed("ucxx is not installed (the `ucx` extra)")
             if not ucx_address:
@@ -442,7 +474,7 @@ class UcxLink:
             return ucx_address
         if tcp_usable:
             return tcp_address
-        if self.mode is not False and ucx_address:
+        if self.mode is not False and ucx_address and not encrypted:
             raise TransportFailed("ucxx is not installed (the `ucx` extra)")
         raise TransportFailed("the store has no bulk data listener")
 

@@ -168,6 +168,23 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS for gRPC and the TCP data path (docs/security.md, "Transport security")."""
+
+    cert: str = ""  # PEM server certificate (chain); "" = plaintext listeners
+    key: str = ""  # PEM private key of `cert`
+    # PEM CA bundle: set = every gRPC and TCP data-path client must show a certificate it signed.
+    client_ca: str = ""
+    # Refuse plaintext: no insecure gRPC port, a plaintext TCP data-path connection is closed
+    # at once, and the UCX data path (which cannot be encrypted here) is not started.
+    require: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     data_dir: str = ""  # "" = the per-user cache folder
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -177,6 +194,7 @@ class StoreConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     io: IoConfig = field(default_factory=IoConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
     @property
     def data_path(self) -> Path:
@@ -250,6 +268,10 @@ class StoreConfig:
             raise InvalidArgument("limits.max_reserve_lease_ms must be positive")
         if self.io.concurrency <= 0:
             raise InvalidArgument("io.concurrency must be positive")
+        if bool(self.tls.cert) != bool(self.tls.key):
+            raise InvalidArgument("tls.cert and tls.key go together: set both or neither")
+        if (self.tls.require or self.tls.client_ca) and not self.tls.cert:
+            raise InvalidArgument("tls.require and tls.client_ca need tls.cert and tls.key")
         if self.cluster.enabled:
             if not self.cluster.name or "/" in self.cluster.name:
                 raise InvalidArgument("cluster.name must be non-empty and contain no '/'")

@@ -38,6 +38,7 @@ from kvstore.metrics import (
 from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store
 from kvstore.tiers.dram import ephemeral_segment_name, reclaim_ephemeral_segments
+from kvstore.tls import ServerTls
 from kvstore.ucx_server import BulkServer
 
 log = logging.getLogger(__name__)
@@ -60,13 +61,17 @@ def grpc_options(config: StoreConfig) -> list[tuple[str, int]]:
 
 
 def create_server(
-    config: StoreConfig, store: Store, *, local_address: str = ""
+    config: StoreConfig,
+    store: Store,
+    *,
+    local_address: str = "",
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer, StoreService]:
     """Build and bind (not start) the gRPC server for `store`.
 
     Returns (server, bound TCP port, health servicer, store servicer). `local_address` is what
-    NodeInfo advertises for same-host control traffic (the lane). Raises Unavailable when the
-    address cannot be bound.
+    NodeInfo advertises for same-host control traffic (the lane). With `tls` the port speaks
+    TLS only (no plaintext port is opened). Raises Unavailable when the address cannot be bound.
     """
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="strata-rpc"),
@@ -74,7 +79,10 @@ def create_server(
     )
     address = f"{config.server.host}:{config.server.port}"
     try:
-        port = server.add_insecure_port(address)
+        if tls is not None:
+            port = server.add_secure_port(address, tls.grpc_credentials())
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise Unavailable(f"cannot listen on {address}: {exc}") from None
     if port == 0:
@@ -146,6 +154,7 @@ class Daemon:
         if cfg.server.port:
             # fail before touching the shared-memory segment a running daemon may own
             _probe_port(cfg.server.host, cfg.server.port)
+        tls = ServerTls.from_config(cfg.tls)  # unreadable PEM files: refused before anything
         store = Store(cfg)
         self.store = store
         try:
@@ -158,7 +167,7 @@ class Daemon:
                     else sock.with_name(f"strata-{uuid.uuid4().hex[:8]}.sock")
                 )
             server, port, health_servicer, service = create_server(
-                cfg, store, local_address=f"{SCHEME}{sock_str}" if sock_str else ""
+                cfg, store, local_address=f"{SCHEME}{sock_str}" if sock_str else "", tls=tls
             )
             if sock_str:
                 self._lane = LaneServer(sock_str, service, cfg.limits.max_message_bytes)
@@ -171,7 +180,7 @@ class Daemon:
                     self._lane = None
                     service.node = dataclasses.replace(service.node, local_address="")
             if cfg.server.ucx or cfg.server.tcp:
-                self._start_bulk(store, service)
+                self._start_bulk(store, service, tls)
             self.server = server
             self._health = health_servicer
             if cfg.cluster.enabled:
@@ -221,9 +230,10 @@ class Daemon:
             tcp_address=service.node.tcp_address,
         )
         log.info(
-            "serving on %s (local %s, ucx %s, tcp %s); tiers: %s; %d pages rebuilt from SSD; "
+            "serving on %s (%s; local %s, ucx %s, tcp %s); tiers: %s; %d pages rebuilt from SSD; "
             "metrics %s",
             self.info.address,
+            tls.describe() if tls is not None else "plaintext",
             local or "none",
             service.node.ucx_address or "off",
             service.node.tcp_address or "off",
@@ -233,17 +243,20 @@ class Daemon:
         )
         return self.info
 
-    def _start_bulk(self, store: Store, service: StoreService) -> None:
-        """Serve the bulk data paths configured (UCX where ucxx is usable, TCP); remote clients
-        use gRPC streams where neither runs."""
+    def _start_bulk(self, store: Store, service: StoreService, tls: ServerTls | None) -> None:
+        """Serve the bulk data paths configured (UCX where ucxx is usable and TLS is not
+        required, TCP); remote clients use gRPC streams where neither runs."""
         server = self.config.server
-        bulk = BulkServer(store, server.host)
+        bulk = BulkServer(store, server.host, tls)
         node = service.node
         if server.ucx:
             try:
                 node = dataclasses.replace(node, ucx_address=bulk.start_ucx(server.ucx_port))
             except Unavailable as exc:
                 log.info("no UCX data path (%s)", exc)
+            else:
+                if tls is not None:
+                    log.warning("the UCX data path at %s is not encrypted", node.ucx_address)
         if server.tcp:
             try:
                 node = dataclasses.replace(node, tcp_address=bulk.start_tcp(server.tcp_port))

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from client.errors import Corrupt, InvalidArgument, StrataError, Unavailable
 from client.page import PageHeader
 from client.scope import KEY_BYTES, unpack_keys
-from client.tcp_endpoint import SocketEndpoint
+from client.tcp_endpoint import TLS_HANDSHAKE_TIMEOUT_S, ByteStream, SocketEndpoint, accept_tls
 from client.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -51,6 +51,7 @@ from client.ucx_protocol import (
 from client.ucx_runtime import bulk_loop, ucx_runtime
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
+from kvstore.tls import TLS_HANDSHAKE_BYTE, ServerTls
 from kvstore_pb import store_pb2
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ async def _recv_meta(ep: Any, n_bytes: int) -> bytearray:
     """A frame's `n_bytes` of metadata. Over TCP (a byte stream) memory is committed only as
     the bytes arrive, a step at a time: a header that announces 72 MiB and sends nothing costs
     one step, not 72 MiB. A UCX message is received whole (its size is the sender's)."""
-    if n_bytes <= _META_STEP_BYTES or not isinstance(ep, SocketEndpoint):
+    if n_bytes <= _META_STEP_BYTES or not isinstance(ep, ByteStream):
         meta = bytearray(n_bytes)
         if n_bytes:
             await ep.recv(meta)
@@ -92,16 +93,41 @@ def _admit_and_renew(admission: Any, store: Store, lease_id: int) -> StrataError
     return None
 
 
+async def _first_byte(conn: socket.socket, loop: asyncio.AbstractEventLoop) -> int:
+    """The first byte a new connection sends, left unread (-1 if it closes first); waits at
+    most the TLS handshake timeout (TimeoutError)."""
+    conn.setblocking(False)
+    readable = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(conn.fileno(), ready)
+    try:
+        await asyncio.wait_for(readable, TLS_HANDSHAKE_TIMEOUT_S)
+    finally:
+        loop.remove_reader(conn.fileno())
+    head = conn.recv(1, socket.MSG_PEEK)
+    return head[0] if head else -1
+
+
 class BulkServer:
     """Serves the bulk data paths of `store` on `host`: UCX (`start_ucx`) and TCP (`start_tcp`),
     port 0 = any free port. Each start returns the address to advertise ("ucx://host:port",
     "tcp://host:port") and raises Unavailable when that listener cannot start (for UCX also
     when ucxx cannot be imported); `stop()` closes the listeners and every connection.
+
+    `tls`: the TCP listener speaks TLS (a connection whose first byte opens a TLS handshake is
+    served over TLS; a plaintext one only unless `tls.require`, else it is closed at once), and
+    with `tls.require` the UCX listener is not started (UCX here cannot encrypt).
     """
 
-    def __init__(self, store: Store, host: str) -> None:
+    def __init__(self, store: Store, host: str, tls: ServerTls | None = None) -> None:
         self._store = store
         self._host = host
+        self._tls = tls
+        self._tls_context = tls.ssl_context() if tls is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None  # the ucxx listener
         self._tcp_socket: socket.socket | None = None
@@ -130,6 +156,8 @@ class BulkServer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start_ucx(self, port: int = 0) -> str:
+        if self._tls is not None and self._tls.require:
+            raise Unavailable("TLS is required and the UCX data path cannot be encrypted")
         ucxx, loop = ucx_runtime()  # raises Unavailable without a usable ucxx
 
         async def listen() -> Any:
@@ -168,7 +196,7 @@ class BulkServer:
             while True:
                 conn, _ = await loop.sock_accept(sock)
                 # held here until it runs (it then tracks itself in _handlers)
-                self._handlers.add(asyncio.ensure_future(self._accept(SocketEndpoint(conn, loop))))
+                self._handlers.add(asyncio.ensure_future(self._accept_tcp(conn, loop)))
 
         async def listen() -> asyncio.Task[None]:
             return asyncio.ensure_future(accept())
@@ -214,12 +242,41 @@ class BulkServer:
 
     # ---- connections -------------------------------------------------------------------------
 
+    async def _accept_tcp(self, conn: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve one accepted TCP connection: plaintext, or over TLS when this server has TLS
+        and the client opens with a TLS handshake (a plaintext one is closed at once when TLS
+        is required). A failed handshake ends only that connection."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            ctx = self._tls_context
+            if ctx is None:
+                ep: ByteStream = SocketEndpoint(conn, loop)
+            else:
+                first = await _first_byte(conn, loop)
+                if first == TLS_HANDSHAKE_BYTE:
+                    ep = await accept_tls(conn, ctx)
+                elif self._tls is not None and self._tls.require:
+                    log.warning("TCP data path: plaintext connection refused (TLS is required)")
+                    conn.close()
+                    return
+                else:
+                    ep = SocketEndpoint(conn, loop)
+        except Exception as exc:  # handshake failed or timed out, the peer left
+            log.warning("TCP data path: connection refused: %r", exc)
+            conn.close()
+            return
+        finally:
+            self._handlers.discard(task)
+        await self._accept(ep)
+
     async def _accept(self, ep: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         self._endpoints.add(ep)
-        path = "tcp" if isinstance(ep, SocketEndpoint) else "ucx"  # for the byte counters
+        path = "tcp" if isinstance(ep, ByteStream) else "ucx"  # for the byte counters
         try:
             while True:
                 head = bytearray(PREAMBLE.size)

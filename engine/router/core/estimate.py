@@ -100,6 +100,69 @@ def interleaved_s(worker: WorkerView, model: TimeModel, tokens: int) -> float:
     return steps * model.decode_step_s(running, worker.running_context_tokens)
 
 
+class PrefillPricer:
+    """One request's prefill estimate on any prefill-side worker (see `estimate_prefill`), with
+    what does not depend on the worker worked out once: the recompute, the compute after the hit,
+    and the pull from each host (remembered per host id). A policy builds one per decision and
+    asks it for each worker; it mutates only its own memo."""
+
+    __slots__ = ("_compute", "_hit_tokens", "_missed", "_model", "_plan", "_prompt", "_pulls",
+                 "_recompute", "_size")  # fmt: skip
+
+    def __init__(
+        self, request: RequestView, model: TimeModel, groups: PrefixGroups | None = None
+    ) -> None:
+        plan = groups if groups is not None else prefix_groups(request)
+        self._model = model
+        self._plan = plan
+        self._prompt = request.prompt_tokens
+        self._size = request.page_bytes
+        self._recompute = model.prefill_s(request.prompt_tokens, 0)
+        self._hit_tokens = plan.pages * request.page_tokens
+        self._missed = request.prompt_tokens - self._hit_tokens
+        self._compute = model.prefill_s(self._missed, self._hit_tokens) if plan.pages else 0.0
+        self._pulls: dict[str, float] = {}
+
+    def pull_s(self, host_id: str) -> float:
+        """Seconds to pull the usable hit pages to a worker on `host_id`: per tier, the pages on
+        that host over the same-host path, the others as one remote transfer."""
+        found = self._pulls.get(host_id)
+        if found is not None:
+            return found
+        pull = 0.0
+        model, size = self._model, self._size
+        for tier, pages, hosts in self._plan.by_tier:
+            local = hosts.get(host_id, 0)
+            if local:
+                pull += model.pull_s(local * size, tier, True)
+            if pages > local:
+                pull += model.pull_s((pages - local) * size, tier, False)
+        self._pulls[host_id] = pull
+        return pull
+
+    def parts(self, worker: WorkerView) -> tuple[float, float, float, int]:
+        """(queue_s, pull_s, compute_s, hit_tokens_used) of the request on `worker`: the fields
+        of its `PrefillEstimate`, without building one (a policy's hot loop)."""
+        model = self._model
+        waiting = queue_s(worker, model)
+        colocated = worker.role is Role.colocated
+        recompute = self._recompute
+        if colocated:
+            recompute += interleaved_s(worker, model, self._prompt)
+        if self._plan.pages == 0:
+            return waiting, 0.0, recompute, 0
+        pull = self.pull_s(worker.host_id)
+        compute = self._compute
+        if colocated:
+            compute += interleaved_s(worker, model, self._missed)
+        if pull + compute < recompute:
+            return waiting, pull, compute, self._hit_tokens
+        return waiting, 0.0, recompute, 0
+
+    def estimate(self, worker: WorkerView) -> PrefillEstimate:
+        return PrefillEstimate(*self.parts(worker))
+
+
 def estimate_prefill(
     request: RequestView,
     worker: WorkerView,
@@ -107,27 +170,7 @@ def estimate_prefill(
     groups: PrefixGroups | None = None,
 ) -> PrefillEstimate:
     """The predicted TTFT of `request` on prefill worker `worker`, split into its parts."""
-    plan = groups if groups is not None else prefix_groups(request)
-    waiting = queue_s(worker, model)
-    recompute = model.prefill_s(request.prompt_tokens, 0) + interleaved_s(
-        worker, model, request.prompt_tokens
-    )
-    if plan.pages == 0:
-        return PrefillEstimate(waiting, 0.0, recompute, 0)
-    pull = 0.0
-    size = request.page_bytes
-    for tier, pages, hosts in plan.by_tier:
-        local = hosts.get(worker.host_id, 0)
-        if local:
-            pull += model.pull_s(local * size, tier, True)
-        if pages > local:
-            pull += model.pull_s((pages - local) * size, tier, False)
-    hit_tokens = plan.pages * request.page_tokens
-    missed = request.prompt_tokens - hit_tokens
-    compute = model.prefill_s(missed, hit_tokens) + interleaved_s(worker, model, missed)
-    if pull + compute < recompute:
-        return PrefillEstimate(waiting, pull, compute, hit_tokens)
-    return PrefillEstimate(waiting, 0.0, recompute, 0)
+    return PrefillPricer(request, model, groups).estimate(worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,8 +241,10 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
     step = model.decode_step_s(max(running, 1), context)
     if worker.running_remaining_tokens and running > 0 and step > 0:
         each = context / running
-        # step > 0: ordering the remaining token counts orders the end times
-        ends = [reported_at + r * step for r in sorted(worker.running_remaining_tokens[:running])]
+        # step > 0: ordering the remaining token counts orders the end times, each
+        # reported_at + r * step (computed in C: this runs for every decode worker per decision)
+        remaining = sorted(worker.running_remaining_tokens[:running])
+        ends = list(map(float(reported_at).__add__, map(float(step).__mul__, remaining)))
         steady = float(running - len(ends))
         steady_context = each * steady
     sums = tuple(accumulate(ends, initial=0.0))
@@ -233,6 +278,28 @@ def load_over(
     return decode_load(worker, model, now).over(start_s, end_s)
 
 
+def joined_batch(
+    load: DecodeLoad,
+    model: TimeModel,
+    own_context: float,
+    max_tokens: int,
+    join_at_s: float,
+    life_s: float | None = None,
+) -> tuple[float, float]:
+    """(requests, context tokens) of the predicted batch a request joins at `join_at_s`, itself
+    left out: `load` averaged over the request's life (`life_s`, or its `max_tokens` at the step
+    of the batch it joins, with `own_context` tokens of its own), never below the batch at the
+    join."""
+    at_join = load.over(join_at_s, join_at_s)
+    if life_s is None:
+        batch = at_join[0] + 1.0
+        life_s = max_tokens * batch_step_s(model, batch, at_join[1] + own_context, load.max_batch)
+    running, context = load.over(join_at_s, join_at_s + life_s)
+    if at_join[0] > running:
+        return at_join
+    return running, context
+
+
 def estimate_tpot(
     request: RequestView,
     worker: WorkerView,
@@ -246,29 +313,22 @@ def estimate_tpot(
     """Predicted seconds per output token of `request` on decode worker `worker`.
 
     "predicted": the batch averaged over the request's life from `join_at_s` (its length taken
-    at the step time of the batch it joins); "current": the batch as reported, plus itself.
-    The request's own context is its prompt plus half its generation (its mean over its life).
-    A batch past `max_batch` time-shares the worker: the step stretches in proportion. `load`
-    is `decode_load(worker, model, now)` when the caller has it already; `life_s` the request's
-    decode time when the caller has an estimate of it (else it is taken at the join).
+    at the step time of the batch it joins; `joined_batch`); "current": the batch as reported,
+    plus itself. The request's own context is its prompt plus half its generation (its mean over
+    its life). A batch past `max_batch` time-shares the worker: the step stretches in proportion
+    (`batch_step_s`). `load` is `decode_load(worker, model, now)` when the caller has it already;
+    `life_s` the request's decode time when the caller has an estimate of it (else it is taken
+    at the join).
     """
     own = request.prompt_tokens + request.max_tokens / 2.0
     if mode == "predicted":
         batch = load if load is not None else decode_load(worker, model, now)
-        if life_s is not None:
-            life = life_s
-        else:
-            running, context = batch.over(join_at_s, join_at_s)
-            life = request.max_tokens * _step(model, running + 1.0, context + own, worker.max_batch)
-        running, context = batch.over(join_at_s, join_at_s + life)
-        at_join = batch.over(join_at_s, join_at_s)
-        if at_join[0] > running:
-            running, context = at_join
+        running, context = joined_batch(batch, model, own, request.max_tokens, join_at_s, life_s)
     elif mode == "current":
         running, context = float(worker.running_requests), float(worker.running_context_tokens)
     else:
         raise ValueError(f"unknown load mode {mode!r} (predicted, current)")
-    step = _step(model, running + 1.0, context + own, worker.max_batch)
+    step = batch_step_s(model, running + 1.0, context + own, worker.max_batch)
     if worker.role is not Role.colocated:
         return step
     return step + prefill_stall_s(request, worker, model, running + 1.0)
@@ -310,7 +370,10 @@ def prefill_stall_s(
     return per_step
 
 
-def _step(model: TimeModel, batch: float, context: float, max_batch: int) -> float:
+def batch_step_s(model: TimeModel, batch: float, context: float, max_batch: int) -> float:
+    """Seconds of one decode step of `batch` requests (a prediction: it may be fractional) with
+    `context` tokens in all, on a worker that runs at most `max_batch` at once: past that the
+    worker time-shares, and the step stretches in proportion."""
     cap = max_batch if max_batch > 1 else 1
     if batch <= cap:
         return (
@@ -318,7 +381,7 @@ def _step(model: TimeModel, batch: float, context: float, max_batch: int) -> flo
             + model.decode.per_request_s * batch
             + (model.decode.per_context_token_s * context)
         )
-    return _step(model, cap, context * cap / batch, cap) * batch / cap
+    return batch_step_s(model, cap, context * cap / batch, cap) * batch / cap
 
 
 def eligible(workers: Sequence[WorkerView], request: RequestView) -> list[WorkerView]:

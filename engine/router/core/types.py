@@ -10,8 +10,10 @@ shell, virtual time in the simulator). Tier names are the strings in `TIERS`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import overload
 
 TIERS = ("gpu", "dram", "ssd")
 
@@ -168,6 +170,69 @@ class Candidate:
     compute_s: float = 0.0
 
 
+class CandidateList(Sequence[Candidate]):
+    """A decision's priced candidates, the winner first, with the rest built when first read.
+
+    A policy prices its pairs as plain numbers; the `Candidate` records (and the reason each
+    lost) cost more than the decision itself, and only an explanation reads them. `build`
+    returns the `count - 1` candidates after `winner`, in order; it is called at most once, and
+    must be pure (the decision's inputs are frozen, so it gives what it would have given at
+    decision time). Reading `[0]` or the length builds nothing. Equal to a tuple (or another
+    list) of the same candidates.
+    """
+
+    __slots__ = ("_build", "_count", "_items", "_winner")
+
+    def __init__(
+        self, winner: Candidate, count: int, build: Callable[[], Sequence[Candidate]]
+    ) -> None:
+        if count < 1:
+            raise ValueError(f"a candidate list holds at least its winner, got count {count}")
+        self._winner = winner
+        self._count = count
+        self._build: Callable[[], Sequence[Candidate]] | None = build
+        self._items: tuple[Candidate, ...] | None = None
+
+    def _all(self) -> tuple[Candidate, ...]:
+        items = self._items
+        if items is None:
+            assert self._build is not None
+            rest = tuple(self._build())
+            if len(rest) != self._count - 1:
+                raise AssertionError(f"built {len(rest) + 1} candidates, announced {self._count}")
+            items = self._items = (self._winner, *rest)
+            self._build = None
+        return items
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Candidate: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Candidate, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Candidate | tuple[Candidate, ...]:
+        if isinstance(index, int) and index in (0, -self._count):
+            return self._winner
+        return self._all()[index]
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return iter(self._all())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, CandidateList | tuple):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """Where a request runs and what the router expects of it.
@@ -175,7 +240,8 @@ class Placement:
     `prefill_id == decode_id` for a co-located worker. `predicted_queue_s` is the part of the
     predicted TTFT spent waiting behind the worker's queue, `prefill_work_s` the part this request
     adds to that queue (pull + compute), `hit_tokens_used` the prefix tokens it pulls instead of
-    computing.
+    computing. `candidates` lists the priced pairs, the winner first (a tuple, or a
+    `CandidateList` that builds them when read).
     """
 
     prefill_id: str
@@ -183,7 +249,7 @@ class Placement:
     predicted_ttft_s: float
     predicted_tpot_s: float
     policy: str
-    candidates: tuple[Candidate, ...] = ()
+    candidates: Sequence[Candidate] = ()
     predicted_queue_s: float = 0.0
     prefill_work_s: float = 0.0
     hit_tokens_used: int = 0

@@ -21,15 +21,18 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from engine.router.core.estimate import (
+    PrefillPricer,
+    batch_step_s,
     decode_load,
-    estimate_prefill,
     estimate_tpot,
-    prefix_groups,
+    joined_batch,
+    prefill_stall_s,
 )
-from engine.router.core.policies.base import candidate, no_worker, placement_of, pools, price
+from engine.router.core.policies.base import no_worker, placement_of
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import (
     Candidate,
+    CandidateList,
     Placement,
     Refusal,
     RequestView,
@@ -39,6 +42,7 @@ from engine.router.core.types import (
 
 SHORTLIST = 3  # prefill workers (and decode workers for each) priced exactly
 _T = TypeVar("_T")
+_Parts = tuple[float, float, float, int]  # a PrefillPricer.parts: queue, pull, compute, hit tokens
 
 
 class Strata:
@@ -60,123 +64,142 @@ class Strata:
         now: float,
         rng: random.Random,
     ) -> Placement | Refusal:
-        pool = pools(request, workers)
-        servable = pool.servable
+        # The pools (base.pools, in one pass): healthy workers of the request's model; a
+        # co-located worker pairs only with itself, a prefill-only one with every decode worker.
+        want = request.model
+        prefill_side: list[WorkerView] = []
+        decoders: list[WorkerView] = []
+        for w in workers:
+            if w.healthy and (not want or w.model == want):
+                if w.role is Role.decode:
+                    decoders.append(w)
+                elif w.role in (Role.prefill, Role.colocated):
+                    prefill_side.append(w)
+        servable = [p for p in prefill_side if decoders or p.role is Role.colocated]
         if not servable:
             return no_worker(request, workers)
-        groups = prefix_groups(request)
-        weight = self.decode_weight * request.max_tokens
-        estimates = {p.worker_id: estimate_prefill(request, p, model, groups) for p in servable}
-        loads = {d.worker_id: decode_load(d, model, now) for d in pool.decode}
+        # Everything per worker is worked out once: its prefill parts and TTFT, and for decode
+        # workers the predicted batch; pairs are then priced from plain numbers, and the
+        # Candidate records (with the reason each lost) are built only if the explanation is read.
+        pricer = PrefillPricer(request, model)
+        parts = {p.worker_id: pricer.parts(p) for p in servable}
+        ttft = {wid: q + pull + compute for wid, (q, pull, compute, _) in parts.items()}
+        loads = {d.worker_id: decode_load(d, model, now) for d in decoders}
+        stall: dict[str, float] = {}
         for p in servable:
             if p.role is Role.colocated:
                 loads[p.worker_id] = decode_load(p, model, now)
+                stall[p.worker_id] = prefill_stall_s(request, p, model, 1.0)
+        max_tokens = request.max_tokens
+        own = request.prompt_tokens + max_tokens / 2.0
+        weight = self.decode_weight * max_tokens
         # Pricing every pair exactly costs P x D decode estimates. TPOT depends on the prefill
         # worker only through the join time, so first each decode worker is priced once, at
         # the earliest join; then the SHORTLIST best prefill workers are priced exactly with
         # their SHORTLIST best decode workers, and the cheapest exact pair wins.
-        earliest = now + min(e.ttft_s for e in estimates.values())
-        rough_tpot = {
-            d.worker_id: estimate_tpot(request, d, model, now, earliest, load=loads[d.worker_id])
-            for d in pool.decode
-        }
-        by_decode = sorted(pool.decode, key=lambda d: (rough_tpot[d.worker_id], d.worker_id))
-        decode_list = self._shortlist(by_decode, [rough_tpot[d.worker_id] for d in by_decode])
-
-        def rough_best(p: WorkerView) -> tuple[float, tuple[WorkerView, ...]]:
+        earliest = now + min(ttft.values())
+        rough_tpot: dict[str, float] = {}
+        for d in decoders:
+            running, context = joined_batch(loads[d.worker_id], model, own, max_tokens, earliest)
+            rough_tpot[d.worker_id] = batch_step_s(model, running + 1.0, context + own, d.max_batch)
+        by_decode = sorted(decoders, key=lambda d: (rough_tpot[d.worker_id], d.worker_id))
+        decode_list = tuple(
+            self._shortlist(by_decode, [rough_tpot[d.worker_id] for d in by_decode])
+        )
+        best_rough = rough_tpot[by_decode[0].worker_id] if by_decode else 0.0
+        rough: list[tuple[float, WorkerView, tuple[WorkerView, ...]]] = []
+        for p in servable:
             if p.role is Role.colocated:
-                return estimates[p.worker_id].ttft_s, (p,)
-            best = rough_tpot[by_decode[0].worker_id]
-            return estimates[p.worker_id].ttft_s + weight * best, decode_list
-
-        rough = sorted(
-            ((rough_best(p), p) for p in servable), key=lambda x: (x[0][0], x[1].worker_id)
-        )
-        shortlisted = self._shortlist(rough, [cost for (cost, _), _ in rough])
-        exact: list[Candidate] = []
-        for (_, decoders), p in shortlisted:
-            est = estimates[p.worker_id]
-            for d in decoders:
-                exact.append(
-                    price(
-                        request,
-                        p,
-                        d,
-                        model,
-                        now,
-                        decode_weight=self.decode_weight,
-                        estimate=est,
-                        load=loads[d.worker_id],
-                        life_s=(
-                            request.max_tokens * rough_tpot[d.worker_id]
-                            if d.worker_id in rough_tpot
-                            else None
-                        ),
-                    )
-                )
-        best_cost = min(c.cost for c in exact)
-        limit = best_cost * (1.0 + self.tie_tolerance)
-        tied = sorted(
-            (c for c in exact if c.cost <= limit), key=lambda c: (c.prefill_id, c.decode_id)
-        )
-        winner = tied[0] if len(tied) == 1 else rng.choice(tied)
-        candidates = [winner]
-        candidates.extend(
-            _lost(c, winner, self.decode_weight, request) for c in exact if c is not winner
-        )
-        for (_, decoders), p in rough[len(shortlisted) :]:
-            d = decoders[0]
-            est = estimates[p.worker_id]
-            if p.role is Role.colocated:
-                tpot = estimate_tpot(
-                    request, d, model, now, now + est.ttft_s, load=loads[d.worker_id]
-                )
+                rough.append((ttft[p.worker_id], p, (p,)))
             else:
-                tpot = rough_tpot[d.worker_id]
-            cand = candidate(request, p, d, est, tpot, self.decode_weight)
-            candidates.append(_lost(cand, winner, self.decode_weight, request))
-        return placement_of(winner, self.name, tuple(candidates))
+                rough.append((ttft[p.worker_id] + weight * best_rough, p, decode_list))
+        rough.sort(key=lambda x: (x[0], x[1].worker_id))
+        shortlisted = self._shortlist(rough, [cost for cost, _, _ in rough])
+        # exact pairs: (cost, prefill, decode, tpot)
+        exact: list[tuple[float, WorkerView, WorkerView, float]] = []
+        for _, p, pair_with in shortlisted:
+            p_ttft = ttft[p.worker_id]
+            join = now + p_ttft
+            for d in pair_with:
+                did = d.worker_id
+                life = max_tokens * rough_tpot[did] if did in rough_tpot else None
+                running, context = joined_batch(loads[did], model, own, max_tokens, join, life)
+                tpot = batch_step_s(model, running + 1.0, context + own, d.max_batch)
+                if d.role is Role.colocated:
+                    tpot += stall[did]
+                exact.append((p_ttft + weight * tpot, p, d, tpot))
+        limit = min(e[0] for e in exact) * (1.0 + self.tie_tolerance)
+        tied = sorted(
+            (e for e in exact if e[0] <= limit), key=lambda e: (e[1].worker_id, e[2].worker_id)
+        )
+        won = tied[0] if len(tied) == 1 else rng.choice(tied)
+        cost, p, d, tpot = won
+        q, pull, compute, hit = parts[p.worker_id]
+        winner = Candidate(
+            p.worker_id, d.worker_id, ttft[p.worker_id], tpot, cost, "", hit, q, pull, compute
+        )
 
-    def _shortlist(self, ordered: Sequence[_T], costs: Sequence[float]) -> tuple[_T, ...]:
+        def explain() -> list[Candidate]:
+            """The other candidates, each with why it lost: the exact pairs, then the prefill
+            workers left out of the shortlist, each with its best decode worker."""
+            out = []
+            for e in exact:
+                if e is not won:
+                    out.append(self._lost(e[1], e[2], e[3], parts, ttft, winner, max_tokens))
+            for _, p, pair_with in rough[len(shortlisted) :]:
+                d = pair_with[0]
+                if p.role is Role.colocated:
+                    pid = p.worker_id
+                    tpot = estimate_tpot(
+                        request, d, model, now, now + ttft[pid], load=loads[d.worker_id]
+                    )
+                else:
+                    tpot = rough_tpot[d.worker_id]
+                out.append(self._lost(p, d, tpot, parts, ttft, winner, max_tokens))
+            return out
+
+        count = len(exact) + len(rough) - len(shortlisted)
+        return placement_of(winner, self.name, CandidateList(winner, count, explain))
+
+    def _shortlist(self, ordered: Sequence[_T], costs: Sequence[float]) -> Sequence[_T]:
         """The first SHORTLIST of `ordered` (cheapest first), and every later one tied with the
         cheapest within the tolerance (so a draw can pick any of equal workers)."""
         if not ordered:
             return ()
         limit = costs[0] * (1.0 + self.tie_tolerance)
         keep = max(SHORTLIST, sum(1 for c in costs if c <= limit))
-        return tuple(ordered[:keep])
+        return ordered[:keep]
 
-
-def _lost(
-    cand: Candidate, winner: Candidate, decode_weight: float, request: RequestView
-) -> Candidate:
-    """`cand` with the reason it lost to `winner`: the part of its cost that is most above."""
-    if cand.cost <= winner.cost * 1.0000001 + 1e-12:
-        reason = f"tied at {cand.cost:.4g}s; the draw picked {winner.prefill_id}"
-    else:
-        part, delta = "queue", cand.queue_s - winner.queue_s
-        for name, more in (
-            ("pull", cand.pull_s - winner.pull_s),
-            ("compute", cand.compute_s - winner.compute_s),
-            (
-                "decode load",
-                decode_weight
-                * request.max_tokens
-                * (cand.predicted_tpot_s - winner.predicted_tpot_s),
-            ),
-        ):
-            if more > delta:
-                part, delta = name, more
-        reason = f"cost {cand.cost:.4g}s > {winner.cost:.4g}s, mostly {part} (+{delta:.3g}s)"
-    return Candidate(
-        cand.prefill_id,
-        cand.decode_id,
-        cand.predicted_ttft_s,
-        cand.predicted_tpot_s,
-        cand.cost,
-        reason,
-        cand.hit_tokens_used,
-        cand.queue_s,
-        cand.pull_s,
-        cand.compute_s,
-    )
+    def _lost(
+        self,
+        p: WorkerView,
+        d: WorkerView,
+        tpot: float,
+        parts: dict[str, _Parts],
+        ttft: dict[str, float],
+        winner: Candidate,
+        max_tokens: int,
+    ) -> Candidate:
+        """The candidate (p, d) with the reason it lost to `winner`: the part of its cost that
+        is most above the winner's."""
+        q, pull, compute, hit = parts[p.worker_id]
+        p_ttft = ttft[p.worker_id]
+        cost = p_ttft + self.decode_weight * max_tokens * tpot
+        if cost <= winner.cost * 1.0000001 + 1e-12:
+            reason = f"tied at {cost:.4g}s; the draw picked {winner.prefill_id}"
+        else:
+            part, delta = "queue", q - winner.queue_s
+            for name, more in (
+                ("pull", pull - winner.pull_s),
+                ("compute", compute - winner.compute_s),
+                (
+                    "decode load",
+                    self.decode_weight * max_tokens * (tpot - winner.predicted_tpot_s),
+                ),
+            ):
+                if more > delta:
+                    part, delta = name, more
+            reason = f"cost {cost:.4g}s > {winner.cost:.4g}s, mostly {part} (+{delta:.3g}s)"
+        return Candidate(
+            p.worker_id, d.worker_id, p_ttft, tpot, cost, reason, hit, q, pull, compute
+        )
