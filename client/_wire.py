@@ -9,13 +9,15 @@ chunking of a put stream and the reassembly and verification of a get stream.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import random
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,7 +28,9 @@ from client.errors import (
     DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
+    PermissionDenied,
     StrataError,
+    Unauthenticated,
     Unavailable,
 )
 from client.page import PageHeader
@@ -295,6 +299,10 @@ def error_from_status(
         return DeadlineExceeded(message)
     if code == grpc.StatusCode.DATA_LOSS:
         return Corrupt(message)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(message)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(message)
     return StrataError(message)
 
 
@@ -324,6 +332,94 @@ def _pairs(metadata: object) -> list[tuple[str, str | bytes]]:
         if isinstance(key, str) and isinstance(value, str | bytes):
             pairs.append((key, value))
     return pairs
+
+
+# ---- the caller's token --------------------------------------------------------------------
+
+TOKEN_ENV = "STRATA_STORE_TOKEN"
+AUTHORIZATION = "authorization"
+
+
+def resolve_token(token: str | None) -> str | None:
+    """The token a client sends: `token`, else $STRATA_STORE_TOKEN, else None (none sent; an
+    open daemon needs none). InvalidArgument for one that cannot travel in a header."""
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    if token is None:
+        return None
+    if not token or token != token.strip() or not token.isprintable() or not token.isascii():
+        raise InvalidArgument("a store token must be non-empty printable ASCII without spaces")
+    return token
+
+
+@functools.lru_cache(maxsize=256)
+def scope_bytes(scope: Scope) -> bytes:
+    """`scope.encode()`, remembered: every read carries its scope's canonical encoding."""
+    return scope.encode()
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata that carries `token` on a gRPC call (`authorization: Bearer ...`)."""
+    return ((AUTHORIZATION, f"Bearer {token}"),) if token else None
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call of a (blocking) channel."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = (AUTHORIZATION, f"Bearer {token}")
+
+    def _details(self, details: Any) -> _CallDetails:
+        metadata = (*(details.metadata or ()), self._pair)
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(
+        self, continuation: Callable[..., Any], details: Any, request_iterator: Any
+    ) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(
+        self, continuation: Callable[..., Any], details: Any, request_iterator: Any
+    ) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+
+def with_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:
+    """`channel`, sending `token` on every call (unchanged when there is none)."""
+    if not token:
+        return channel
+    return grpc.intercept_channel(channel, BearerToken(token))
 
 
 # ---- channel options, deadlines and retries ----------------------------------------------

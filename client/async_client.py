@@ -27,6 +27,7 @@ from client._wire import (
     Deadline,
     GetAssembler,
     RetryPolicy,
+    auth_metadata,
     batch_ranges,
     channel_options,
     check_node,
@@ -43,8 +44,11 @@ from client._wire import (
     put_messages,
     put_statuses_from_proto,
     raw_bytes,
+    resolve_token,
+    scope_bytes,
     stats_from_proto,
     tune_malloc,
+    with_token,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
 from client.page import PageHeader
@@ -122,11 +126,14 @@ class AsyncStoreClient:
         io_class: IoClass = IoClass.NORMAL,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls: TlsOptions | bool | None = None,
+        token: str | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
             raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
         self.address = address
         self._tls = resolve_tls(tls)
+        self._token = resolve_token(token)
+        self._metadata = auth_metadata(self._token)  # on every call
         self._shared_memory = shared_memory
         self._timeout_s = timeout_s
         self._policy = RetryPolicy(retries)
@@ -201,7 +208,9 @@ class AsyncStoreClient:
         tiers: list[Tier] = []
         for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
             request = pb.LookupRequest(
-                scope_digest=scope.digest, keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES]
+                scope_digest=scope.digest,
+                keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
+                scope=scope_bytes(scope),
             )
             reply = await self._call(conn.stub, "Lookup", request, pb.LookupResponse)
             part = lookup_from_proto(reply, len(r))
@@ -275,7 +284,7 @@ class AsyncStoreClient:
             raise InvalidArgument("delete takes exactly one of scope or keys")
         if scope is not None:
             conn = await self._ready()
-            request = pb.DeleteRequest(scope_digest=scope.digest)
+            request = pb.DeleteRequest(scope_digest=scope.digest, scope=scope_bytes(scope))
             return (await self._call(conn.stub, "Delete", request, pb.DeleteResponse)).deleted
         assert keys is not None
         packed = packed_keys(keys)
@@ -318,8 +327,9 @@ class AsyncStoreClient:
         # status, while the blocking stub returns the daemon's status. Messages are built by hand
         # (one copy of each payload), so the call sends them as is.
         if self._put_channel is None:
-            self._put_channel = open_channel(
-                self.address, channel_options(self._max_message_bytes), self._tls
+            self._put_channel = with_token(
+                open_channel(self.address, channel_options(self._max_message_bytes), self._tls),
+                self._token,
             )
         put = self._put_channel.stream_unary(
             PUT_METHOD,
@@ -374,7 +384,12 @@ class AsyncStoreClient:
         verify: bool,
     ) -> tuple[PageHeader | None, ...]:
         tune_malloc()
-        request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
+        request = pb.GetRequest(
+            scope_digest=scope.digest,
+            keys=packed,
+            io_class=io_class_value(io),
+            scope=scope_bytes(scope),
+        )
         # Replies are decoded by hand, straight from the received bytes into `views`.
         get = conn.channel.unary_stream(
             GET_METHOD,
@@ -384,7 +399,7 @@ class AsyncStoreClient:
 
         async def attempt(timeout: float) -> GetAssembler:
             assembler = GetAssembler(scope, keys, views, verify=verify)
-            call = get(request, timeout=timeout)
+            call = get(request, timeout=timeout, metadata=self._metadata)
             try:
                 async for raw in call:
                     assembler.feed_message(raw)
@@ -409,7 +424,10 @@ class AsyncStoreClient:
         verify: bool,
     ) -> tuple[PageHeader | bytes | None, ...]:
         request = pb.AcquireRequest(
-            scope_digest=scope.digest, keys=packed, io_class=io_class_value(io)
+            scope_digest=scope.digest,
+            keys=packed,
+            io_class=io_class_value(io),
+            scope=scope_bytes(scope),
         )
         reply = await self._call(conn.stub, "Acquire", request, pb.AcquireResponse)
         await self._check_segments(conn, reply.lease_id)
@@ -467,7 +485,9 @@ class AsyncStoreClient:
         stub = _async_stub(channel)
         try:
             probe_s = min(self._timeout_s, _LOCAL_PROBE_S)
-            reply = await stub.NodeInfo(pb.NodeInfoRequest(), timeout=probe_s)
+            reply = await stub.NodeInfo(
+                pb.NodeInfoRequest(), timeout=probe_s, metadata=self._metadata
+            )
             if reply.node_id != node.node_id:
                 raise Unavailable(f"{node.local_address} is node {reply.node_id!r}")
         except (grpc.RpcError, StrataError) as exc:
@@ -491,7 +511,11 @@ class AsyncStoreClient:
         if lease_id:
             with contextlib.suppress(Exception):
                 release = pb.ReleaseRequest(lease_id=lease_id)
-                await conn.stub.Release(release, timeout=min(self._timeout_s, _LOCAL_PROBE_S))
+                await conn.stub.Release(
+                    release,
+                    timeout=min(self._timeout_s, _LOCAL_PROBE_S),
+                    metadata=self._metadata,
+                )
         await conn.close()
         raise Unavailable("the store's shared-memory segment changed (daemon restarted?)")
 
@@ -501,7 +525,7 @@ class AsyncStoreClient:
         function = getattr(stub, method)
 
         async def attempt(timeout: float) -> R:
-            reply = await function(request, timeout=timeout)
+            reply = await function(request, timeout=timeout, metadata=self._metadata)
             if not isinstance(reply, reply_type):
                 raise malformed(f"{method} answered {type(reply).__name__}")
             return reply
@@ -533,7 +557,11 @@ class AsyncStoreClient:
 
     async def _release(self, conn: _Connection, lease_id: int) -> None:
         try:
-            await conn.stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._timeout_s)
+            await conn.stub.Release(
+                pb.ReleaseRequest(lease_id=lease_id),
+                timeout=self._timeout_s,
+                metadata=self._metadata,
+            )
         except Exception as exc:  # the lease runs out on its own
             log.debug("release of lease %d failed: %s", lease_id, exc)
 
@@ -542,8 +570,12 @@ class AsyncStoreClient:
 
     async def _events(self, scope: Scope | None, timeout_s: float | None) -> AsyncIterator[Event]:
         conn = await self._ready()
-        request = pb.WatchRequest(scope_digest=scope.digest if scope is not None else b"")
-        call = conn.stub.Watch(request, timeout=timeout_s)
+        request = (
+            pb.WatchRequest(scope_digest=scope.digest, scope=scope_bytes(scope))
+            if scope is not None
+            else pb.WatchRequest()
+        )
+        call = conn.stub.Watch(request, timeout=timeout_s, metadata=self._metadata)
         try:
             async for msg in call:
                 yield event_from_proto(msg)

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from client._wire import resolve_token
 from client.errors import InvalidArgument, StrataError, Unavailable
 from client.etcd import EtcdClient
 from client.member_watch import MemberWatch
@@ -77,7 +78,10 @@ class ClusterStats:
 
 
 class ClusterClient:
-    """Blocking client of a Strata cluster. Thread-safe. Use as a context manager."""
+    """Blocking client of a Strata cluster. Thread-safe. Use as a context manager.
+
+    `token`: the principal's bearer token every node's client sends (None: $STRATA_STORE_TOKEN;
+    see `StoreClient`)."""
 
     def __init__(
         self,
@@ -94,6 +98,7 @@ class ClusterClient:
         down_s: float = 2.0,
         watch_idle_s: float = 1.0,
         max_workers: int = 16,
+        token: str | None = None,
     ) -> None:
         if (etcd_endpoints is None) == (addresses is None):
             raise InvalidArgument("ClusterClient takes exactly one of etcd_endpoints or addresses")
@@ -103,6 +108,7 @@ class ClusterClient:
         self.replicas = replicas
         self.hot_extra = hot_extra
         self._shared_memory = shared_memory
+        self._token = resolve_token(token)  # each node's StoreClient sends it
         self._timeout_s = timeout_s
         self._down_s = down_s
         self._lock = threading.Lock()
@@ -167,6 +173,7 @@ class ClusterClient:
                     shared_memory=self._shared_memory,
                     timeout_s=self._timeout_s,
                     retries=1,
+                    token=self._token,
                 ),
             )
             self._clients[node_id] = client

@@ -52,8 +52,11 @@ from client._wire import (
     put_messages,
     put_statuses_from_proto,
     raw_bytes,
+    resolve_token,
+    scope_bytes,
     stats_from_proto,
     tune_malloc,
+    with_token,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
 from client.lane import Lane, LaneCall, LaneStub
@@ -139,6 +142,12 @@ class StoreClient:
     False (plaintext), None (the STRATA_STORE_TLS_* environment; plaintext when unset). With TLS
     gRPC and the TCP data path are encrypted and UCX is never used; nothing falls back to
     plaintext.
+
+    `token`: the bearer token of this client's principal on a daemon with auth on (None: the
+    STRATA_STORE_TOKEN environment variable; none sent when unset), sent on every call. A call
+    the principal may not make raises PermissionDenied, a missing or unknown token
+    Unauthenticated. Every read carries its scope's canonical encoding, which such a daemon
+    checks against the token.
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class StoreClient:
         ucx: bool | None = None,
         tcp: bool | None = None,
         tls: TlsOptions | bool | None = None,
+        token: str | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
             raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
@@ -163,6 +173,7 @@ class StoreClient:
         self._io_class = IoClass(io_class)
         self._max_message_bytes = max_message_bytes
         self._tls = resolve_tls(tls)
+        self._token = resolve_token(token)
         self._ucx = UcxLink(ucx, address, tcp, self._tls)
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -242,7 +253,9 @@ class StoreClient:
         tiers: list[Tier] = []
         for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
             request = pb.LookupRequest(
-                scope_digest=scope.digest, keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES]
+                scope_digest=scope.digest,
+                keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
+                scope=scope_bytes(scope),
             )
             reply = self._call(conn.stub, "Lookup", request, pb.LookupResponse)
             part = lookup_from_proto(reply, len(r))
@@ -333,7 +346,7 @@ class StoreClient:
             raise InvalidArgument("delete takes exactly one of scope or keys")
         if scope is not None:
             conn = self._ready()
-            request = pb.DeleteRequest(scope_digest=scope.digest)
+            request = pb.DeleteRequest(scope_digest=scope.digest, scope=scope_bytes(scope))
             return self._call(conn.stub, "Delete", request, pb.DeleteResponse).deleted
         assert keys is not None
         packed = packed_keys(keys)
@@ -361,7 +374,11 @@ class StoreClient:
         with CapacityExhausted (retry later). Never retried: a gap shows as a jump in
         `Event.seq`."""
         conn = self._ready()
-        request = pb.WatchRequest(scope_digest=scope.digest if scope is not None else b"")
+        request = (
+            pb.WatchRequest(scope_digest=scope.digest, scope=scope_bytes(scope))
+            if scope is not None
+            else pb.WatchRequest()
+        )
         return self._events(conn.stub.Watch(request, timeout=timeout_s))
 
     # ---- data paths ------------------------------------------------------------------------
@@ -493,7 +510,12 @@ class StoreClient:
         verify: bool,
     ) -> tuple[PageHeader | None, ...]:
         tune_malloc()
-        request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
+        request = pb.GetRequest(
+            scope_digest=scope.digest,
+            keys=packed,
+            io_class=io_class_value(io),
+            scope=scope_bytes(scope),
+        )
         # Replies are decoded by hand, straight from the received bytes into `views`.
         get = conn.channel.unary_stream(
             GET_METHOD,
@@ -528,7 +550,10 @@ class StoreClient:
         verify: bool,
     ) -> tuple[PageHeader | bytes | None, ...]:
         request = pb.AcquireRequest(
-            scope_digest=scope.digest, keys=packed, io_class=io_class_value(io)
+            scope_digest=scope.digest,
+            keys=packed,
+            io_class=io_class_value(io),
+            scope=scope_bytes(scope),
         )
         reply = self._call(conn.stub, "Acquire", request, pb.AcquireResponse)
         self._check_segments(conn, reply.lease_id)
@@ -575,7 +600,12 @@ class StoreClient:
         io: IoClass,
         verify: bool,
     ) -> tuple[PageHeader | None, ...]:
-        request = pb.GetRequest(scope_digest=scope.digest, keys=packed, io_class=io_class_value(io))
+        request = pb.GetRequest(
+            scope_digest=scope.digest,
+            keys=packed,
+            io_class=io_class_value(io),
+            scope=scope_bytes(scope),
+        )
         try:
             outcome = ucx.get(
                 request.SerializeToString(),
@@ -616,7 +646,10 @@ class StoreClient:
         return conn
 
     def _open(self) -> _Connection:
-        channel = open_channel(self.address, channel_options(self._max_message_bytes), self._tls)
+        channel = with_token(
+            open_channel(self.address, channel_options(self._max_message_bytes), self._tls),
+            self._token,
+        )
         try:
             stub = StoreStub(channel)
             node = node_info_from_proto(

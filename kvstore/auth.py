@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import secrets
 import stat
@@ -141,6 +142,18 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | No
     return None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is loopback only (a wildcard or a name other than localhost
+    is not)."""
+    bare = host.strip().removeprefix("[").removesuffix("]").lower()
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
+
+
 class Authenticator:
     """Checks tokens against the tokens file; decodes scopes to namespaces; counts refusals.
 
@@ -224,6 +237,26 @@ class Authenticator:
         """The namespace of a scope digest seen in a put or read since start, else None."""
         with self._lock:
             return self._namespaces.get(digest)
+
+    def check_listen(self, host: str, allow_open: bool) -> None:
+        """An open daemon listens on loopback only unless `allow_open`: InvalidArgument for
+        another `host`; logs that it runs open (a warning when off loopback)."""
+        if not self.open:
+            return
+        if is_loopback(host):
+            log.info("auth: open (no auth.tokens_file): every call is allowed; loopback only")
+            return
+        if not allow_open:
+            raise InvalidArgument(
+                f"refusing to listen on {host!r} without auth: an open daemon serves every "
+                "caller that reaches it. Set auth.tokens_file (docs/security.md), listen on "
+                "loopback, or set server.allow_open = true"
+            )
+        log.warning(
+            "auth: OPEN on %s (server.allow_open): every caller that reaches it may read, "
+            "write and delete every namespace",
+            host,
+        )
 
     def denied(self, principal: Principal | None, what: str) -> None:
         """Count a refusal (`strata_auth_denied_total{reason=what}`) and log it, once per

@@ -88,6 +88,9 @@ class ServerConfig:
     # The TCP bulk data path (remote put/get over plain sockets, the UCX framing): true = serve it.
     tcp: bool = True
     tcp_port: int = 0  # 0 = any free port (advertised in NodeInfo)
+    # Without auth.tokens_file the daemon is open (every call allowed): it then listens on
+    # loopback only, unless this says that an open daemon on another address is intended.
+    allow_open: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +188,23 @@ class TlsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Principals and namespaces (docs/security.md; kvstore/auth.py reads it)."""
+
+    # TOML file of [[principal]] tables (name, token_sha256, read, write, delete, operator,
+    # trusted_local), readable by the daemon's user only. "" = the daemon is open.
+    tokens_file: str = ""
+    # Namespaces every principal may read and only operators may write (published prompts).
+    shared_namespaces: tuple[str, ...] = ()
+    # Users (besides the daemon's own) whose trusted_local principals get the same-host path.
+    local_uids: tuple[int, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens_file)
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     data_dir: str = ""  # "" = the per-user cache folder
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -195,6 +215,7 @@ class StoreConfig:
     io: IoConfig = field(default_factory=IoConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     @property
     def data_path(self) -> Path:
@@ -293,6 +314,17 @@ def _user() -> str:
 
 
 def _coerce(value: object, annotation: object, where: str) -> object:
+    if typing.get_origin(annotation) is tuple:
+        args = typing.get_args(annotation)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise InvalidArgument(f"{where}: unsupported field type {annotation!r}")
+        if isinstance(value, str):  # environment / --set: comma-separated
+            items: list[object] = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, list | tuple):
+            items = list(value)
+        else:
+            raise InvalidArgument(f"{where}: not a list: {value!r}")
+        return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(items))
     if annotation is bool:
         if isinstance(value, bool):
             return value

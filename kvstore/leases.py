@@ -57,6 +57,10 @@ class LeaseTable:
         """Leases in the table, including expired ones not yet reaped by `expire_due`."""
         return len(self._leases)
 
+    def __contains__(self, lease_id: object) -> bool:
+        """Whether `lease_id` is in the table (live, or expired and not yet reaped)."""
+        return lease_id in self._leases
+
     def grant(self, kind: LeaseKind, keys: Iterable[bytes], ttl_s: float) -> Lease:
         """Create a lease for `keys` expiring `ttl_s` from now. Mutates. Ids start at 1 and are
         never reused in a process. Raises InvalidArgument unless `ttl_s` is finite and > 0."""

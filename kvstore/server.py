@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from client.hostid import host_id
 from client.lane_protocol import SCHEME
 from client.membership import Member, TierCapacity
+from kvstore.auth import Authenticator
 from kvstore.cluster import Registration
 from kvstore.config import StoreConfig, format_size
 from kvstore.errors import Unavailable
@@ -73,6 +74,8 @@ def create_server(
     NodeInfo advertises for same-host control traffic (the lane). With `tls` the port speaks
     TLS only (no plaintext port is opened). Raises Unavailable when the address cannot be bound.
     """
+    auth = Authenticator.from_config(config.auth)
+    auth.check_listen(config.server.host, config.server.allow_open)
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.server.workers, thread_name_prefix="strata-rpc"),
         options=grpc_options(config),
@@ -88,7 +91,7 @@ def create_server(
     if port == 0:
         raise Unavailable(f"cannot listen on {address} (in use?)")
     node_id = config.server.node_id or f"{reachable_host(config.server.host)}:{port}"
-    service = StoreService(store, NodeIdentity(node_id, host_id(), local_address))
+    service = StoreService(store, NodeIdentity(node_id, host_id(), local_address), auth)
     add_to_server(service, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

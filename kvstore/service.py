@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from client._wire import (
     TAG_GET_CHUNK,
@@ -28,11 +30,14 @@ from client.errors import (
     DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
+    PermissionDenied,
     StrataError,
+    Unauthenticated,
     Unavailable,
 )
 from client.page import PageHeader
-from client.scope import KEY_BYTES, unpack_keys
+from client.scope import KEY_BYTES, Scope, unpack_keys
+from kvstore.auth import ALL, OPEN, Authenticator, Principal, bearer_token
 from kvstore.fence import probe_holder
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Store
@@ -48,7 +53,12 @@ _CODES: list[tuple[type[StrataError], grpc.StatusCode]] = [
     (LeaseExpired, grpc.StatusCode.FAILED_PRECONDITION),
     (Corrupt, grpc.StatusCode.DATA_LOSS),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 ]
+# Lease ids handed out under auth, remembered with their principal; swept of ended leases when
+# more than this many (and twice the live leases) are held.
+_LEASE_OWNERS_SWEEP = 4096
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -139,13 +149,103 @@ def _put_request(raw: bytes) -> store_pb2.PutRequest | ChunkView:
 
 
 class StoreService(store_pb2_grpc.StoreServicer):
-    """gRPC face of one Store."""
+    """gRPC face of one Store.
 
-    def __init__(self, store: Store, node: NodeIdentity) -> None:
+    Every handler first learns its caller's principal (`principal`): the one a transport bound
+    to its connection (`context.principal`, the same-host lane), else the bearer token of the
+    call's `authorization` metadata; OPEN on an open daemon. Reads and writes then check the
+    namespace of the request's scope, deletes the namespaces of what they delete, lease calls
+    the lease's holder, and Watch shows only the namespaces the caller may read. A refusal
+    (Unauthenticated, PermissionDenied, a scope that does not match its digest) is counted and
+    changes nothing.
+    """
+
+    def __init__(self, store: Store, node: NodeIdentity, auth: Authenticator | None = None) -> None:
         self.store = store
         self.node = node
+        self.auth = auth if auth is not None else Authenticator(None)
         cfg = store.config
         self.streams = StreamGate(cfg.stream_slots, cfg.streams_per_client)
+        self._lease_owners: dict[int, str] = {}
+        self._owners_lock = threading.Lock()
+
+    # ---- who calls, and may they ----------------------------------------------------------
+
+    def principal(self, context: object) -> Principal:
+        """The caller's principal. Unauthenticated (counted) without a valid token."""
+        if self.auth.open:
+            return OPEN
+        bound = getattr(context, "principal", None)
+        if isinstance(bound, Principal):
+            return bound
+        metadata = getattr(context, "invocation_metadata", None)
+        token = bearer_token(metadata()) if callable(metadata) else None
+        try:
+            return self.auth.authenticate(token)
+        except Unauthenticated:
+            self.auth.denied(None, "unauthenticated")
+            raise
+
+    def _allow(self, principal: Principal, check: Callable[[str], None], namespace: str) -> None:
+        try:
+            check(namespace)
+        except PermissionDenied:
+            self.auth.denied(principal, check.__name__.removeprefix("check_"))
+            raise
+
+    def _read_digest(self, principal: Principal, digest: bytes, scope: bytes) -> bytes:
+        """The scope digest a read is for, after checking that `principal` may read it: with
+        auth on, the request must carry its scope, whose digest must be the one sent (if any)."""
+        if scope:
+            derived, namespace = self._scope_namespace(principal, digest, scope)
+            if not self.auth.open:
+                self._allow(principal, principal.check_read, namespace)
+            return derived
+        if not self.auth.open:
+            raise InvalidArgument("this daemon checks namespaces: the request must carry scope")
+        return _digest(digest)
+
+    def _scope_namespace(
+        self, principal: Principal, digest: bytes, scope: bytes
+    ) -> tuple[bytes, str]:
+        derived, namespace = self.auth.scope_namespace(scope)
+        if digest and digest != derived:
+            self.auth.denied(principal, "scope_mismatch")
+            raise InvalidArgument("scope_digest is not the digest of scope")
+        return derived, namespace
+
+    def _write_scope(self, principal: Principal, encoded: bytes) -> Scope:
+        scope = self.store.scope_of(encoded)
+        if not self.auth.open:
+            self._allow(principal, principal.check_write, scope.namespace)
+            self.auth.remember(scope.digest, scope.namespace)
+        return scope
+
+    def _own(self, principal: Principal, lease_id: int) -> None:
+        """Record the holder of a lease handed out under auth."""
+        if self.auth.open or not lease_id:
+            return
+        with self._owners_lock:
+            self._lease_owners[lease_id] = principal.name
+            owners = self._lease_owners
+            if len(owners) > _LEASE_OWNERS_SWEEP and len(owners) > 2 * len(self.store.leases):
+                leases = self.store.leases
+                self._lease_owners = {k: v for k, v in owners.items() if k in leases}
+
+    def _check_holder(self, principal: Principal, lease_id: int, *, done: bool) -> None:
+        """PermissionDenied when another principal holds `lease_id` (operators may act on any);
+        `done`: the call ends the lease, forget its holder."""
+        if self.auth.open:
+            return
+        with self._owners_lock:
+            holder = self._lease_owners.get(lease_id)
+            if holder is not None and holder != principal.name and not principal.operator:
+                self.auth.denied(principal, "lease")
+                raise PermissionDenied(
+                    f"principal {principal.name!r} does not hold lease {lease_id}"
+                )
+            if done:
+                self._lease_owners.pop(lease_id, None)
 
     def _keys(self, packed: bytes) -> list[bytes]:
         """Unpack a packed key field, refusing too many keys before splitting any."""
@@ -160,6 +260,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def NodeInfo(
         self, request: store_pb2.NodeInfoRequest, context: grpc.ServicerContext
     ) -> store_pb2.NodeInfoResponse:
+        self.principal(context)
         cfg = self.store.config
         stats = self.store.stats()
         dram = self.store.tiers.dram
@@ -204,7 +305,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Lookup(
         self, request: store_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> store_pb2.LookupResponse:
-        outcome = self.store.lookup(_digest(request.scope_digest), self._keys(request.keys))
+        principal = self.principal(context)
+        digest = self._read_digest(principal, request.scope_digest, request.scope)
+        outcome = self.store.lookup(digest, self._keys(request.keys))
         return store_pb2.LookupResponse(
             hit_count=outcome.hit_count, tiers=[_pb_tier(t) for t in outcome.tiers]
         )
@@ -219,19 +322,23 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.PutResponse:
         """Messages are generated PutRequests, or, registered by `add_to_server`, ChunkViews
         for the chunks (decoded in place) and PutRequests for anything else."""
+        principal = self.principal(context)
         client = context.peer()
         with self.streams.enter(client):
-            return self._put(request_iterator, client)
+            return self._put(request_iterator, client, principal)
 
     def _put(
-        self, request_iterator: Iterator[store_pb2.PutRequest | ChunkView], client: str
+        self,
+        request_iterator: Iterator[store_pb2.PutRequest | ChunkView],
+        client: str,
+        principal: Principal = OPEN,
     ) -> store_pb2.PutResponse:
         tune_malloc()
         first = next(request_iterator, None)
         if not isinstance(first, store_pb2.PutRequest) or first.WhichOneof("part") != "begin":
             raise InvalidArgument("a put stream must start with PutBegin")
         begin = first.begin
-        scope = self.store.scope_of(begin.scope)
+        scope = self._write_scope(principal, begin.scope)
         io_class = io_class_from_wire(begin.io_class)
         tier = tier_from_wire(begin.tier)
         limits = self.store.config.limits
@@ -240,6 +347,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 f"{begin.page_count} pages in one put; the limit is {limits.max_keys_per_call}"
             )
         writer = _PutWriter(self.store, scope.encode(), io_class, tier, client)
+        writer.chain_prefix = begin.chain_prefix
         try:
             for message in request_iterator:
                 if isinstance(message, ChunkView):
@@ -258,8 +366,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Get(
         self, request: store_pb2.GetRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.GetResponse]:
+        digest = self._read_digest(self.principal(context), request.scope_digest, request.scope)
         with self.streams.enter(context.peer(), io_class_from_wire(request.io_class)):
-            yield from self._get_stream(request, _pb_chunk, _pb_missing)
+            yield from self._get_stream(request, digest, _pb_chunk, _pb_missing)
 
     @streaming
     def _get_messages(
@@ -267,12 +376,14 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> Iterator[bytes]:
         """Get as serialized GetResponses (what `add_to_server` registers): each chunk's data is
         copied once, from the DRAM tier into the message."""
+        digest = self._read_digest(self.principal(context), request.scope_digest, request.scope)
         with self.streams.enter(context.peer(), io_class_from_wire(request.io_class)):
-            yield from self._get_stream(request, _raw_chunk, _raw_missing)
+            yield from self._get_stream(request, digest, _raw_chunk, _raw_missing)
 
     def _get_stream(
         self,
         request: store_pb2.GetRequest,
+        digest: bytes,
         chunk: Callable[[int, bytes, int, memoryview], _M],
         missing: Callable[[int], _M],
     ) -> Iterator[_M]:
@@ -280,7 +391,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         keys = self._keys(request.keys)
         io_class = io_class_from_wire(request.io_class)
         chunk_bytes = self.store.config.limits.chunk_bytes
-        acq = self.store.acquire(_digest(request.scope_digest), keys, io_class)
+        acq = self.store.acquire(digest, keys, io_class)
         try:
             dram = self.store.tiers.dram
             admit = self.store.scheduler.admit
@@ -316,7 +427,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Reserve(
         self, request: store_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReserveResponse:
-        scope = self.store.scope_of(request.scope)
+        principal = self.principal(context)
+        scope = self._write_scope(principal, request.scope)
         if len(request.headers) > self.store.config.limits.max_keys_per_call:
             raise InvalidArgument(
                 f"{len(request.headers)} pages in one reserve; the limit is "
@@ -333,6 +445,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             # the share of DRAM is per process where the kernel says which, else per
             # connection: a pid a client only claims would let it take share after share
             client=f"pid:{peer_pid}" if peer_pid else context.peer(),
+            chain_prefix=request.chain_prefix,
         )
         # the client copies these bytes itself: they pass the scheduler here, in their class
         # (a background put keeps to the background cap on the same-host path too)
@@ -349,6 +462,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             if res.lease_id:
                 self.store.abort(res.lease_id)
             raise
+        self._own(principal, res.lease_id)
         reply = store_pb2.ReserveResponse(
             lease_id=res.lease_id, lease_expires_unix_ms=res.expires_unix_ms
         )
@@ -366,16 +480,18 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Commit(
         self, request: store_pb2.CommitRequest, context: grpc.ServicerContext
     ) -> store_pb2.CommitResponse:
+        self._check_holder(self.principal(context), request.lease_id, done=True)
         return store_pb2.CommitResponse(stored=self.store.commit(request.lease_id))
 
     @unary
     def Acquire(
         self, request: store_pb2.AcquireRequest, context: grpc.ServicerContext
     ) -> store_pb2.AcquireResponse:
+        principal = self.principal(context)
+        digest = self._read_digest(principal, request.scope_digest, request.scope)
         io_class = io_class_from_wire(request.io_class)
-        acq = self.store.acquire(
-            _digest(request.scope_digest), self._keys(request.keys), io_class, request.lease_ms
-        )
+        acq = self.store.acquire(digest, self._keys(request.keys), io_class, request.lease_ms)
+        self._own(principal, acq.lease_id)
         reply = store_pb2.AcquireResponse(
             lease_id=acq.lease_id, lease_expires_unix_ms=acq.expires_unix_ms
         )
@@ -403,12 +519,14 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Release(
         self, request: store_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReleaseResponse:
+        self._check_holder(self.principal(context), request.lease_id, done=True)
         return store_pb2.ReleaseResponse(released=self.store.release(request.lease_id))
 
     @unary
     def Renew(
         self, request: store_pb2.RenewRequest, context: grpc.ServicerContext
     ) -> store_pb2.RenewResponse:
+        self._check_holder(self.principal(context), request.lease_id, done=False)
         return store_pb2.RenewResponse(
             lease_expires_unix_ms=self.store.renew(request.lease_id, request.lease_ms)
         )
@@ -419,19 +537,51 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Delete(
         self, request: store_pb2.DeleteRequest, context: grpc.ServicerContext
     ) -> store_pb2.DeleteResponse:
+        principal = self.principal(context)
         which = request.WhichOneof("target")
         if which == "keys":
-            deleted = self.store.delete(keys=self._keys(request.keys))
+            keys = self._keys(request.keys)
+            self._check_delete_keys(principal, keys)
+            deleted = self.store.delete(keys=keys)
         elif which == "scope_digest":
-            deleted = self.store.delete(scope_digest=_digest(request.scope_digest))
+            digest = _digest(request.scope_digest)
+            if request.scope:
+                digest, namespace = self._scope_namespace(principal, digest, request.scope)
+                self._allow(principal, principal.check_delete, namespace)
+            elif not self.auth.open:
+                raise InvalidArgument(
+                    "this daemon checks namespaces: a delete by scope needs scope"
+                )
+            deleted = self.store.delete(scope_digest=digest)
         else:
             raise InvalidArgument("delete needs keys or a scope digest")
         return store_pb2.DeleteResponse(deleted=deleted)
+
+    def _check_delete_keys(self, principal: Principal, keys: list[bytes]) -> None:
+        """PermissionDenied unless `principal` may delete every stored page of `keys` (checked
+        before any is deleted). A page whose scope's namespace this daemon has not seen since it
+        started (rebuilt from SSD, not put or read since) only an operator may delete by key."""
+        if self.auth.open:
+            return
+        index = self.store.index
+        digests = {entry.scope_digest for key in keys if (entry := index.get(key)) is not None}
+        for digest in digests:
+            namespace = self.auth.namespace_of(digest)
+            if namespace is None:
+                if not principal.operator:
+                    self.auth.denied(principal, "delete")
+                    raise PermissionDenied(
+                        f"principal {principal.name!r} may not delete by key a page of a scope "
+                        "not seen since the daemon started: delete by scope"
+                    )
+                continue
+            self._allow(principal, principal.check_delete, namespace)
 
     @unary
     def Stats(
         self, request: store_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> store_pb2.StatsResponse:
+        self.principal(context)
         stats = self.store.stats()
         c = self.store.counters
         with c.lock:
@@ -463,22 +613,33 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Watch(
         self, request: store_pb2.WatchRequest, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.Event]:
+        principal = self.principal(context)
+        scope = b""
+        if request.scope_digest or request.scope:
+            scope = self._read_digest(principal, request.scope_digest, request.scope)
         with self.streams.enter(context.peer(), IoClass.BACKGROUND):
-            yield from self._watch(request, context)
+            yield from self._watch(scope, principal, context)
 
     def _watch(
-        self, request: store_pb2.WatchRequest, context: grpc.ServicerContext
+        self, scope: bytes, principal: Principal, context: grpc.ServicerContext
     ) -> Iterator[store_pb2.Event]:
-        scope = request.scope_digest
-        if scope:
-            _digest(scope)
+        """Events of scope digest `scope` (every scope when empty; with auth on, of every
+        namespace the principal may read, as far as the daemon knows each digest's namespace:
+        events of a digest it has not seen in a put or read are shown to operators only)."""
+        everything = self.auth.open or principal.operator or ALL in principal.read
+        namespace_of = self.auth.namespace_of
         events = self.store.events
         cursor = events.last_seq
         while context.is_active() and not events.closed:
             for ev in events.read(cursor, timeout_s=0.5):
                 cursor = ev.seq
-                if scope and ev.scope_digest != scope:
-                    continue
+                if scope:
+                    if ev.scope_digest != scope:
+                        continue
+                elif not everything:
+                    namespace = namespace_of(ev.scope_digest)
+                    if namespace is None or not principal.may_read(namespace):
+                        continue
                 yield store_pb2.Event(
                     seq=ev.seq,
                     kind=store_pb2.EventKind.ValueType(int(ev.kind)),
@@ -508,6 +669,7 @@ class _PutWriter:
         self._view: memoryview | None = None
         self._received = 0
         self._pending = False
+        self.chain_prefix = b""  # PutBegin.chain_prefix: vouches for ancestors (kvstore/chain.py)
 
     def chunk(self, chunk: store_pb2.PageChunk | ChunkView) -> None:
         if chunk.index != self._index:
@@ -539,6 +701,7 @@ class _PutWriter:
             self._store.config.limits.max_reserve_lease_ms,
             self._io_class,
             client=self._client,
+            chain_prefix=self.chain_prefix,
         )
         self._index = chunk.index
         self._header = PageHeader.decode(chunk.header)
@@ -596,6 +759,51 @@ class _PutWriter:
             self._lease = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """A request message protobuf could not parse. Its handler answers INVALID_ARGUMENT: gRPC's
+    own answer to a deserializer that raises is INTERNAL, as if the daemon had failed."""
+
+    error: str
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`parse`, returning a _Malformed instead of raising for bytes that do not parse."""
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except DecodeError as exc:
+            return _Malformed(str(exc) or "not a valid message")
+
+    return deserialize
+
+
+def _malformed(error: str) -> InvalidArgument:
+    return InvalidArgument(f"malformed request message: {error}")
+
+
+def _checked(messages: Iterator[Any]) -> Iterator[Any]:
+    for message in messages:
+        if isinstance(message, _Malformed):
+            raise _malformed(message.error)  # mapped by the handler's `unary` wrapper
+        yield message
+
+
+def _refusing_malformed(handler: Callable[..., Any], client_streaming: bool) -> Callable[..., Any]:
+    """`handler`, answering INVALID_ARGUMENT to a request (or streamed message) that did not
+    parse."""
+    if client_streaming:
+        return lambda messages, context: handler(_checked(messages), context)
+
+    def serve(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(_malformed(request.error)))
+        return handler(request, context)
+
+    return serve
+
+
 _HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -616,18 +824,18 @@ def add_to_server(service: StoreService, server: grpc.Server) -> None:
         response = getattr(store_pb2, method.output_type.name)
         kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(
-            getattr(service, method.name),
-            request_deserializer=request.FromString,
+            _refusing_malformed(getattr(service, method.name), method.client_streaming),
+            request_deserializer=_lenient(request.FromString),
             response_serializer=response.SerializeToString,
         )
     handlers["Put"] = grpc.stream_unary_rpc_method_handler(
-        service.Put,
-        request_deserializer=_put_request,
+        _refusing_malformed(service.Put, True),
+        request_deserializer=_lenient(_put_request),
         response_serializer=store_pb2.PutResponse.SerializeToString,
     )
     handlers["Get"] = grpc.unary_stream_rpc_method_handler(
-        service._get_messages,
-        request_deserializer=store_pb2.GetRequest.FromString,
+        _refusing_malformed(service._get_messages, False),
+        request_deserializer=_lenient(store_pb2.GetRequest.FromString),
         response_serializer=raw_bytes,
     )
     server.add_generic_rpc_handlers(
