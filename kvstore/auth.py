@@ -242,6 +242,7 @@ class Authenticator:
         """An open daemon listens on loopback only unless `allow_open`: InvalidArgument for
         another `host`; logs that it runs open (a warning when off loopback)."""
         if not self.open:
+            log.info("auth: %d principals; every call needs a token", len(self._principals))
             return
         if is_loopback(host):
             log.info("auth: open (no auth.tokens_file): every call is allowed; loopback only")

@@ -185,6 +185,22 @@ class MembershipCollector:
         )
 
 
+class AuthCollector:
+    """`strata_auth_denied_total{reason}`: calls refused by the principal checks (kvstore/auth.py;
+    reason: unauthenticated, read, write, delete, operator, lease, scope_mismatch)."""
+
+    def __init__(self, denied: Callable[[], dict[str, int]]) -> None:
+        self._denied = denied
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "strata_auth_denied", "Calls refused by the principal checks", labels=["reason"]
+        )
+        for reason, value in sorted(self._denied().items()):
+            fam.add_metric([reason], value)
+        yield fam
+
+
 def make_registry(
     collector: StoreCollector, membership: MembershipCollector | None = None
 ) -> CollectorRegistry:

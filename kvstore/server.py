@@ -31,6 +31,7 @@ from kvstore.errors import Unavailable
 from kvstore.lane import LaneServer
 from kvstore.metrics import (
     TIER_NAMES,
+    AuthCollector,
     MembershipCollector,
     StoreCollector,
     make_registry,
@@ -209,6 +210,7 @@ class Daemon:
                     ),
                     MembershipCollector(lambda: registration.stale) if registration else None,
                 )
+                registry.register(AuthCollector(service.auth.denied_counts))
                 self._stop_metrics, mport = serve_metrics(
                     registry, cfg.server.metrics_host, cfg.server.metrics_port
                 )
