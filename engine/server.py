@@ -307,7 +307,9 @@ class EngineServer:
         if store is None and config.store:
             spec = parse_store(config.store)
             assert spec is not None
-            self._own_store = spec.open(timeout_s=config.store_timeout_s)
+            self._own_store = spec.open(
+                timeout_s=config.store_timeout_s, token=config.store_token or None
+            )
             store = self._own_store
         self.store = store
         self.worker = build_worker(config, self.runtime, store)

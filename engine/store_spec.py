@@ -32,14 +32,21 @@ class StoreSpec:
         """One daemon, no cluster."""
         return len(self.addresses) == 1
 
-    def open(self, *, timeout_s: float = 5.0) -> StoreClient | ClusterClient:
-        """A client of this store (not yet connected: the first call connects)."""
+    def open(
+        self, *, timeout_s: float = 5.0, token: str | None = None
+    ) -> StoreClient | ClusterClient:
+        """A client of this store (not yet connected: the first call connects). `token`: the
+        bearer token of the caller's principal on daemons with auth on (None: the clients'
+        default, $STRATA_STORE_TOKEN). The token is not part of the store string."""
         if self.single:
-            return StoreClient(self.addresses[0], timeout_s=timeout_s, retries=1)
+            return StoreClient(self.addresses[0], timeout_s=timeout_s, retries=1, token=token)
         if self.addresses:
-            return ClusterClient(addresses=list(self.addresses), timeout_s=timeout_s)
+            return ClusterClient(addresses=list(self.addresses), timeout_s=timeout_s, token=token)
         return ClusterClient(
-            etcd_endpoints=list(self.etcd_endpoints), cluster=self.cluster, timeout_s=timeout_s
+            etcd_endpoints=list(self.etcd_endpoints),
+            cluster=self.cluster,
+            timeout_s=timeout_s,
+            token=token,
         )
 
     def __str__(self) -> str:

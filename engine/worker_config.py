@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.store_spec import parse_store
 
@@ -43,6 +43,9 @@ class WorkerConfig:
     etcd: str = ""  # etcd endpoints to register in, for routers that watch them ("" = none)
     cluster: str = "default"  # the cluster name the registration goes under
     advertise: str = ""  # the address routers reach this worker at (default host:port)
+    # The store principal's token ($STRATA_ENGINE_STORE_TOKEN; "" = $STRATA_STORE_TOKEN, or
+    # none for an open store). No flag: a token on a command line is visible to every user.
+    store_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

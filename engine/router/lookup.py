@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 
 
 class StoreLookup:
-    """Looks prompts up in the store of `spec` (None: no store, every lookup misses)."""
+    """Looks prompts up in the store of `spec` (None: no store, every lookup misses), as the
+    principal of `token` (None: $STRATA_STORE_TOKEN; it needs read of the workers' namespaces)."""
 
-    def __init__(self, spec: StoreSpec | None, *, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, spec: StoreSpec | None, *, timeout_s: float = 0.5, token: str | None = None
+    ) -> None:
         self.spec = spec
         self._client: StoreClient | ClusterClient | None = (
-            spec.open(timeout_s=timeout_s) if spec is not None else None
+            spec.open(timeout_s=timeout_s, token=token) if spec is not None else None
         )
         self._node_host = ""  # the single daemon's host id, once known
         self._lock = threading.Lock()

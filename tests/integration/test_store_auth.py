@@ -31,6 +31,9 @@ from client import AsyncStoreClient, ClusterClient, Scope, StoreClient
 from client._wire import scope_bytes
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from client.types import Event, EventKind
+from engine.router.lookup import StoreLookup
+from engine.store_spec import parse_store
+from engine.worker_config import load_worker_config
 from kvstore.auth import hash_token
 from kvstore.config import load_config
 from kvstore.server import Daemon
@@ -399,3 +402,31 @@ def test_an_open_daemon_accepts_reads_without_a_scope(daemon_factory: DaemonFact
         )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert client.lookup(A, keys_of(pages)).hit_count == 3
+
+
+def test_engines_and_the_router_pass_their_token(
+    daemon: RunningDaemon, tenant_a: StoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("STRATA_STORE_TOKEN", raising=False)
+    spec = parse_store(daemon.address)
+    tokens = [t for p in chain(A, 5) for t in p.header.tokens]
+    lookups = {
+        who: StoreLookup(spec, timeout_s=5.0, token=TOKENS[who] if who else None)
+        for who in ("engine-a", "engine-b", None)
+    }
+    try:
+        hits = {who: lookup.lookup(A, tokens).hit_pages for who, lookup in lookups.items()}
+    finally:
+        for lookup in lookups.values():
+            lookup.close()
+    assert hits == {"engine-a": 5, "engine-b": 0, None: 0}  # a refused lookup is a miss
+    assert lookups["engine-b"].errors == 1 and lookups[None].errors == 1
+    config = load_worker_config(
+        "prefill", env={"STRATA_ENGINE_STORE_TOKEN": TOKENS["engine-a"]}, overrides={"model": "m"}
+    )
+    assert config.store_token == TOKENS["engine-a"] and TOKENS["engine-a"] not in repr(config)
+    client = spec.open(timeout_s=5.0, token=config.store_token)
+    try:
+        assert client.lookup(A, keys_of(chain(A, 5))).hit_count == 5
+    finally:
+        client.close()
