@@ -670,7 +670,11 @@ def tune_malloc() -> None:
 
 
 def _put_begin_message(
-    scope: Scope, page_count: int, io_class: IoClass, tier: Tier | None
+    scope: Scope,
+    page_count: int,
+    io_class: IoClass,
+    tier: Tier | None,
+    chain_prefix: Sequence[bytes] = (),
 ) -> bytes:
     return pb.PutRequest(
         begin=pb.PutBegin(
@@ -678,6 +682,7 @@ def _put_begin_message(
             io_class=io_class_value(io_class),
             page_count=page_count,
             tier=tier_value(tier),
+            chain_prefix=chain_prefix,
         )
     ).SerializeToString()
 
@@ -690,15 +695,17 @@ def put_messages(
     io_class: IoClass,
     tier: Tier | None,
     chunk_bytes: int,
+    chain_prefix: Sequence[bytes] = (),
 ) -> Iterator[bytes]:
-    """The serialized PutRequests of one Put stream: a PutBegin, then each page's chunks.
+    """The serialized PutRequests of one Put stream: a PutBegin (carrying `chain_prefix`, see
+    PutBegin in store.proto), then each page's chunks.
 
     The first chunk of page i carries its header; the chunks' data cover the payload exactly,
     at increasing offsets, at most `chunk_bytes` each; an empty payload still sends one chunk.
     Each message is built with one copy of its data (no protobuf object in between). Send them
     with the identity serializer `raw_bytes`.
     """
-    yield _put_begin_message(scope, len(pages), io_class, tier)
+    yield _put_begin_message(scope, len(pages), io_class, tier, chain_prefix)
     for index, (page, view) in enumerate(zip(pages, payloads, strict=True)):
         header = page.header.encode()
         size = view.nbytes

@@ -73,6 +73,7 @@ from client.types import (
     StoreStats,
     Tier,
     WritableBuffer,
+    tokens_le,
 )
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
@@ -227,21 +228,28 @@ class AsyncStoreClient:
         *,
         io_class: IoClass | None = None,
         tier: Tier | None = None,
+        chain_prefixes: Sequence[Sequence[int]] = (),
     ) -> PutResult:
-        """Publish `pages`; one status per page. See `StoreClient.put`."""
+        """Publish `pages`; one status per page. See `StoreClient.put` (and its
+        `chain_prefixes`)."""
         views = payload_views(scope, pages)
         if not pages:
             return PutResult(statuses=())
         conn = await self._ready()
         io = self._io(io_class)
         same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
+        prefix = [tokens_le(p) for p in chain_prefixes]
         statuses: list[PutStatus] = []
         for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
             part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]
             if same_host:
-                statuses.extend(await self._put_shm(conn, scope, part_pages, part_views, io))
+                statuses.extend(
+                    await self._put_shm(conn, scope, part_pages, part_views, io, prefix)
+                )
             else:
-                statuses.extend(await self._put_grpc(conn, scope, part_pages, part_views, io, tier))
+                statuses.extend(
+                    await self._put_grpc(conn, scope, part_pages, part_views, io, tier, prefix)
+                )
         return PutResult(statuses=tuple(statuses))
 
     async def get(
@@ -319,6 +327,7 @@ class AsyncStoreClient:
         views: Sequence[memoryview],
         io: IoClass,
         tier: Tier | None,
+        chain_prefix: list[bytes],
     ) -> tuple[PutStatus, ...]:
         tune_malloc()
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
@@ -338,7 +347,15 @@ class AsyncStoreClient:
         )
 
         async def attempt(timeout: float) -> pb.PutResponse:
-            requests = put_messages(scope, pages, views, io_class=io, tier=tier, chunk_bytes=chunk)
+            requests = put_messages(
+                scope,
+                pages,
+                views,
+                io_class=io,
+                tier=tier,
+                chunk_bytes=chunk,
+                chain_prefix=chain_prefix,
+            )
             reply = await asyncio.to_thread(put, requests, timeout=timeout)
             if not isinstance(reply, pb.PutResponse):
                 raise malformed(f"Put answered {type(reply).__name__}")
@@ -353,12 +370,14 @@ class AsyncStoreClient:
         pages: Sequence[Page],
         views: Sequence[memoryview],
         io: IoClass,
+        chain_prefix: list[bytes],
     ) -> tuple[PutStatus, ...]:
         request = pb.ReserveRequest(
             scope=scope.encode(),
             headers=[p.header.encode() for p in pages],
             io_class=io_class_value(io),
             client_pid=os.getpid(),
+            chain_prefix=chain_prefix,
         )
         reply = await self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
         await self._check_segments(conn, reply.lease_id)

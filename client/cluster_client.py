@@ -47,6 +47,7 @@ from client.types import (
     StoreStats,
     Tier,
     WritableBuffer,
+    chain_prefixes_for,
 )
 
 log = logging.getLogger(__name__)
@@ -318,11 +319,17 @@ class ClusterClient:
         *,
         io_class: IoClass | None = None,
         tier: Tier | None = None,
+        prefix_tokens: Sequence[int] = (),
     ) -> PutResult:
         """Write each page to its replicas (hot ones to more). Mutates. A page is STORED if any
         replica stored it, ALREADY_PRESENT if the replicas that answered had it. A page whose
         replicas all failed goes to the next live node of its ranking; Unavailable only when no
-        live node took it, CapacityExhausted when all that answered were full."""
+        live node took it, CapacityExhausted when all that answered were full.
+
+        A node often holds none of a page's ancestors (they live on other nodes): each node's
+        put carries the token ids that vouch for them (`chain_prefixes_for`; `prefix_tokens` is
+        the prompt before `pages[0]`, when they continue one), so the node verifies the key
+        chain itself (kvstore/chain.py)."""
         if not pages:
             return PutResult(statuses=())
         n = len(pages)
@@ -352,7 +359,13 @@ class ClusterClient:
                 break
             replies = self._fan(
                 {
-                    node: _put_call(scope, [pages[i] for i in ix], io_class, tier)
+                    node: _put_call(
+                        scope,
+                        [pages[i] for i in ix],
+                        io_class,
+                        tier,
+                        chain_prefixes_for(scope, pages, ix, prefix_tokens),
+                    )
                     for node, ix in groups.items()
                 }
             )
@@ -441,6 +454,12 @@ def _get_call(
 
 
 def _put_call(
-    scope: Scope, pages: list[Page], io_class: IoClass | None, tier: Tier | None
+    scope: Scope,
+    pages: list[Page],
+    io_class: IoClass | None,
+    tier: Tier | None,
+    chain_prefixes: list[list[int]],
 ) -> Callable[[StoreClient], PutResult]:
-    return lambda c: c.put(scope, pages, io_class=io_class, tier=tier)
+    return lambda c: c.put(
+        scope, pages, io_class=io_class, tier=tier, chain_prefixes=chain_prefixes
+    )

@@ -244,6 +244,11 @@ def _tokens_le(tokens: Sequence[int]) -> bytes:
         raise InvalidArgument(f"token ids must be uint32, got {bad!r}") from None
 
 
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, as keys hash them; raises InvalidArgument otherwise."""
+    return _tokens_le(tokens)
+
+
 def scope_digest(encoding: bytes) -> bytes:
     """BLAKE2b-128 of a scope's canonical encoding, personalized apart from page keys."""
     return hashlib.blake2b(encoding, digest_size=KEY_BYTES, person=_SCOPE_PERSON).digest()

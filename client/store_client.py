@@ -83,6 +83,7 @@ from client.types import (
     StoreStats,
     Tier,
     WritableBuffer,
+    tokens_le,
 )
 from client.ucx_protocol import TCP_SCHEME
 from client.ucx_transport import TransportFailed, UcxLink, UcxTransport
@@ -273,9 +274,16 @@ class StoreClient:
         io_class: IoClass | None = None,
         tier: Tier | None = None,
     ) -> PutResult:
+        chain_prefixes: Sequence[Sequence[int]] = (),
         """Publish `pages` (full pages of `scope`); one status per page. Mutates; never retried.
 
         `tier` None places pages where the node chooses; on the same-host path pages go into the
+        The daemon verifies each page's key chain (kvstore/chain.py): a page must follow the
+        scope digest, an earlier page of the put, or a key the node holds or remembers. When it
+        may hold none of the pages' ancestors, `chain_prefixes` vouch for them: each the token
+        ids of a prompt from its first full page on (every key they chain to counts as known);
+        without them such a put raises InvalidArgument "chain does not verify".
+
         DRAM segment, so a put asking for another tier takes the gRPC path. InvalidArgument (before
         any RPC) for a page of another scope or layout, or a payload of the wrong size;
         CapacityExhausted when the store is full (see `retry_after_s`).
@@ -287,14 +295,19 @@ class StoreClient:
         io = self._io(io_class)
         same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
         statuses: list[PutStatus] = []
+        prefix = [tokens_le(p) for p in chain_prefixes]
         for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
             part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]
             if same_host:
-                statuses.extend(self._put_shm(conn, scope, part_pages, part_views, io))
+                statuses.extend(self._put_shm(conn, scope, part_pages, part_views, io, prefix))
             elif (ucx := self._ucx_for(conn)) is not None:
-                statuses.extend(self._put_ucx(ucx, conn, scope, part_pages, part_views, io, tier))
+                statuses.extend(
+                    self._put_ucx(ucx, conn, scope, part_pages, part_views, io, tier, prefix)
+                )
             else:
-                statuses.extend(self._put_grpc(conn, scope, part_pages, part_views, io, tier))
+                statuses.extend(
+                    self._put_grpc(conn, scope, part_pages, part_views, io, tier, prefix)
+                )
         return PutResult(statuses=tuple(statuses))
 
     def get(
@@ -392,6 +405,7 @@ class StoreClient:
         io: IoClass,
         tier: Tier | None,
     ) -> tuple[PutStatus, ...]:
+        chain_prefix: list[bytes],
         tune_malloc()
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
         # Messages are built by hand (one copy of each payload), so the call sends them as is.
@@ -402,7 +416,15 @@ class StoreClient:
         )
 
         def attempt(timeout: float) -> pb.PutResponse:
-            requests = put_messages(scope, pages, views, io_class=io, tier=tier, chunk_bytes=chunk)
+            requests = put_messages(
+                scope,
+                pages,
+                views,
+                io_class=io,
+                tier=tier,
+                chunk_bytes=chunk,
+                chain_prefix=chain_prefix,
+            )
             reply = put(requests, timeout=timeout)
             if not isinstance(reply, pb.PutResponse):
                 raise malformed(f"Put answered {type(reply).__name__}")
@@ -418,14 +440,16 @@ class StoreClient:
         views: Sequence[memoryview],
         io: IoClass,
     ) -> tuple[PutStatus, ...]:
+        chain_prefix: list[bytes],
         if len(pages) >= _PIPELINE_MIN_PAGES and isinstance(conn.stub, LaneStub):
-            return self._put_shm_pipelined(conn, conn.stub, scope, pages, views, io)
+            return self._put_shm_pipelined(conn, conn.stub, scope, pages, views, io, chain_prefix)
         request = pb.ReserveRequest(
             scope=scope.encode(),
             headers=[p.header.encode() for p in pages],
             io_class=io_class_value(io),
             client_pid=os.getpid(),
         )
+            chain_prefix=chain_prefix,
         reply = self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
         self._check_segments(conn, reply.lease_id)
         try:
@@ -448,35 +472,40 @@ class StoreClient:
         views: Sequence[memoryview],
         io: IoClass,
     ) -> tuple[PutStatus, ...]:
-        """`_put_shm` as two halves in flight: both reservations are asked for at once; each
-        half is copied as soon as its slots arrive and its commit sent at once, so the daemon's
-        work on one half overlaps the copy of the other. All pages are visible when this
-        returns; on any failure, whatever was reserved and not committed is released."""
+        chain_prefix: list[bytes],
+        """`_put_shm` as two halves in flight: the second half's reservation is asked for as
+        soon as the first's is granted (the daemon verifies a half's key chain from pages it
+        has reserved or stored, kvstore/chain.py); each half is copied as soon as its slots
+        arrive and its commit sent at once, so the daemon's work on one half overlaps the copy
+        of the other. All pages are visible when this returns; on any failure, whatever was
+        reserved and not committed is released."""
         count = min(_PIPELINE_PARTS, len(pages) // (_PIPELINE_MIN_PAGES // 2))
         bounds = [len(pages) * k // count for k in range(count + 1)]
         parts = [(pages[a:b], views[a:b]) for a, b in itertools.pairwise(bounds)]
         timeout = self._timeout_s
-        reserving = [
-            lane.Reserve.start(
-                pb.ReserveRequest(
-                    scope=scope.encode(),
-                    headers=[p.header.encode() for p in part],
-                    io_class=io_class_value(io),
-                    client_pid=os.getpid(),
-                ),
-                timeout,
+
+        def start_reserve(part: Sequence[Page]) -> LaneCall:
+            request = pb.ReserveRequest(
+                scope=scope.encode(),
+                headers=[p.header.encode() for p in part],
+                io_class=io_class_value(io),
+                client_pid=os.getpid(),
+                chain_prefix=chain_prefix,
             )
-            for part, _ in parts
-        ]
+            return lane.Reserve.start(request, timeout)
+
+        reserving = [start_reserve(parts[0][0])]
         committing: list[LaneCall] = []
         leases: list[int] = []  # reserved, not yet known to be committed
         statuses: list[PutStatus] = []
         try:
-            for (_, part_views), call in zip(parts, reserving, strict=True):
-                reply = cast(pb.ReserveResponse, call.result())
+            for k, (_, part_views) in enumerate(parts):
+                reply = cast(pb.ReserveResponse, reserving[k].result())
                 if reply.lease_id:
                     leases.append(reply.lease_id)
                 self._check_segments(conn, reply.lease_id)
+                if k + 1 < len(parts):
+                    reserving.append(start_reserve(parts[k + 1][0]))
                 statuses.extend(write_reserved(reply, conn.maps, part_views))
                 if reply.lease_id:
                     commit = pb.CommitRequest(lease_id=reply.lease_id)
@@ -575,19 +604,21 @@ class StoreClient:
         io: IoClass,
         tier: Tier | None,
     ) -> tuple[PutStatus, ...]:
+        chain_prefix: list[bytes],
         begin = pb.PutBegin(
             scope=scope.encode(),
             io_class=io_class_value(io),
             page_count=len(pages),
             tier=pb.Tier.ValueType(int(tier) if tier is not None else 0),
         ).SerializeToString()
+            chain_prefix=chain_prefix,
         try:
             return ucx.put(
                 begin, [p.header.encode() for p in pages], views, timeout_s=self._timeout_s
             )
         except TransportFailed as exc:
             self._ucx.give_up(exc)
-        return self._put_grpc(conn, scope, pages, views, io, tier)
+        return self._put_grpc(conn, scope, pages, views, io, tier, chain_prefix)
 
     def _get_ucx(
         self,

@@ -14,7 +14,7 @@ from enum import IntEnum
 
 from client.errors import InvalidArgument
 from client.page import Buffer, PageHeader, make_header
-from client.scope import Scope, chain_key
+from client.scope import Scope, chain_key, pack_tokens
 
 WritableBuffer = bytearray | memoryview
 """A buffer a get may copy a payload into. Any writable, C-contiguous buffer works at run time
@@ -269,3 +269,46 @@ def build_pages(
         pages.append(Page(header=header, payload=payload))
         parent = header.key
     return pages
+
+
+
+def tokens_le(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 (a put's chain prefix on the wire). Raises
+    InvalidArgument for an id that is not a uint32."""
+    return pack_tokens(tokens) if tokens else b""
+
+
+def chain_prefixes_for(
+    scope: Scope,
+    pages: Sequence[Page],
+    subset: Sequence[int],
+    prefix_tokens: Sequence[int] = (),
+) -> list[list[int]]:
+    """The chain prefixes (kvstore/chain.py) a node needs to verify `pages[i] for i in subset`
+    when it may hold no other page of the call: for each run of `pages` that chain one to the
+    next and in which some page of `subset` follows a page outside it, the token ids from the
+    run's root (the scope digest; for a run starting at `pages[0]`, `prefix_tokens` — the
+    prompt before it — when given) through that run's last page in `subset`. A run whose root
+    is unknown here gets none. Pure."""
+    mine = set(subset)
+    out: list[list[int]] = []
+    start = 0
+    n = len(pages)
+    while start < n:
+        end = start + 1
+        while end < n and pages[end].header.parent == pages[end - 1].header.key:
+            end += 1
+        rooted = pages[start].header.parent == scope.digest
+        base: Sequence[int] | None = (
+            () if rooted else (prefix_tokens if start == 0 and prefix_tokens else None)
+        )
+        inside = [j for j in range(start, end) if j in mine]
+        orphan = any(j - 1 not in mine if j > start else not rooted for j in inside)
+        if base is not None and inside and orphan:
+            prefix = list(base)
+            for j in range(start, max(inside)):
+                prefix.extend(pages[j].header.tokens)
+            if prefix:
+                out.append(prefix)
+        start = end
+    return out

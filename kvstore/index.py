@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from kvstore.chain import DEFAULT_MEMORY_KEYS, ChainMemory
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, Tier
 
@@ -103,8 +104,11 @@ def _resident(entry: PageEntry, tier: Tier) -> bool:
 class Index:
     """Pages by key, with per-tier residency counts and per-tier eviction order."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, chain_memory_keys: int = DEFAULT_MEMORY_KEYS) -> None:
         self._entries: dict[bytes, PageEntry] = {}
+        # keys verified under a scope (kvstore/chain.py): every key that leaves the index goes
+        # here, so a child published after its parent left still verifies
+        self.chain = ChainMemory(chain_memory_keys)
         self._children: dict[bytes, set[bytes]] = {}  # parent key -> present children's keys
         self._kids_in: dict[bytes, list[int]] = {}  # key -> children resident per tier
         self._scopes: dict[bytes, dict[bytes, None]] = {}
@@ -144,6 +148,14 @@ class Index:
     def children_in(self, key: bytes, tier: Tier) -> int:
         """How many children of `key` are resident in `tier`; raises InvalidArgument if absent."""
         return self._kids_in[self._entry(key).key][tier - 1]
+
+    def scope_of(self, key: bytes) -> bytes | None:
+        """The scope digest `key` is known under: its entry's, else the chain memory's, else
+        None. Read-only."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry.scope_digest
+        return self.chain.scope_of(key)
 
     def keys_of_scope(self, scope_digest: bytes) -> list[bytes]:
         """Keys of the pages of one scope, in insertion order."""
@@ -258,6 +270,7 @@ class Index:
         for t in entry.tiers:
             self._leave(entry, t)
         del self._entries[key], self._kids_in[key]
+        self.chain.remember(key, entry.scope_digest)
         scope = self._scopes[entry.scope_digest]
         del scope[key]
         if not scope:

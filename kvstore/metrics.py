@@ -49,6 +49,7 @@ class StoreCounters:
     stale_fenced: int = 0  # late calls on expired leases and torn reads stopped by the fences
     shm_put_corrupt: int = 0  # same-host puts whose payload failed the daemon's check: dropped
     quarantined_slots: int = 0  # slots of expired same-host leases held until their holder is done
+    chain_rejected: int = 0  # puts refused because a page's key chain did not verify
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_bytes(self, path: str, direction: str, io_class: IoClass, n_bytes: int) -> None:
@@ -97,6 +98,7 @@ class StoreCollector:
                 c.ssd_read_errors,
                 c.ssd_write_errors,
                 c.stale_fenced,
+                c.chain_rejected,
             )
         yield _per_tier("strata_hits", "Pages found, by the tier that served them", hits)
         yield _per_tier("strata_misses", "Pages looked for in a tier and not found there", misses)
@@ -117,7 +119,7 @@ class StoreCollector:
             for (src, dst), value in sorted(data.items()):
                 fam.add_metric([TIER_NAMES[src], TIER_NAMES[dst]], value)
             yield fam
-        corrupt, expiries, lookups, lookup_hits, refused, rd_err, wr_err, fenced = scalars
+        corrupt, expiries, lookups, lookup_hits, refused, rd_err, wr_err, fenced, chain = scalars
         yield CounterMetricFamily(
             "strata_corrupt_pages_dropped",
             "Pages that failed verification and were dropped",
@@ -141,6 +143,11 @@ class StoreCollector:
             "strata_stale_fenced",
             "Calls on expired leases and torn reads stopped by the slot fences",
             value=fenced,
+        )
+        yield CounterMetricFamily(
+            "strata_chain_rejected",
+            "Puts refused because a page's key chain did not verify",
+            value=chain,
         )
         used = GaugeMetricFamily("strata_tier_used_bytes", "Bytes in use per tier", labels=["tier"])
         cap = GaugeMetricFamily(

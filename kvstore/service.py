@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -669,7 +669,8 @@ class _PutWriter:
         self._view: memoryview | None = None
         self._received = 0
         self._pending = False
-        self.chain_prefix = b""  # PutBegin.chain_prefix: vouches for ancestors (kvstore/chain.py)
+        # PutBegin.chain_prefix: vouches for ancestors (kvstore/chain.py)
+        self.chain_prefix: Sequence[bytes] = ()
 
     def chunk(self, chunk: store_pb2.PageChunk | ChunkView) -> None:
         if chunk.index != self._index:

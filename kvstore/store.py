@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from client.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
 from client.scope import KEY_BYTES, Scope
+from kvstore.chain import ChainRejected, first_unverified, prefix_keys
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     CapacityExhausted,
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 _GPU, _DRAM = Tier.GPU, Tier.DRAM  # enum lookups cost ~75 ns each on Python 3.11
 
 _SCOPE_CACHE = 1024
+_PREFIX_CACHE = 8  # chain prefixes whose keys are kept (kvstore/chain.py)
 _READ_OK, _READ_BAD, _READ_IO_ERROR = 1, 2, 3  # outcomes of one SSD page read (`_read_ssd`)
 _ROOM_ROUNDS = 4096 + 8  # pages a call may write to SSD (one at a time) to find DRAM room
 
@@ -142,7 +144,7 @@ class Store:
         self.config = config
         self._clock = clock
         self._lock = threading.RLock()
-        self.index = Index()
+        self.index = Index(chain_memory_keys=config.limits.chain_memory_keys)
         self.leases = LeaseTable(clock)
         self.counters = StoreCounters()
         self.events = EventLog()
@@ -190,6 +192,7 @@ class Store:
         self._replacing_unverified: set[bytes] = set()  # same-host puts among `_replacing`
         self.quarantine = Quarantine(config.limits.quarantine_max_ms / 1000.0)
         self._scopes: OrderedDict[bytes, Scope] = OrderedDict()
+        self._prefixes: OrderedDict[tuple[bytes, tuple[bytes, ...]], set[bytes]] = OrderedDict()
         self._ssd_pool: ThreadPoolExecutor | None = None
         self.rebuilt_pages = self._rebuild()
         self.mover = Mover(
@@ -300,11 +303,17 @@ class Store:
 
     # ---- writes: plan, reserve, commit ------------------------------------------------------
 
-    def plan_put(self, scope: Scope, raw_headers: Sequence[bytes]) -> PutPlan:
-        """Validate headers against `scope` and find the pages not yet stored. No side effects.
+    def plan_put(
+        self, scope: Scope, raw_headers: Sequence[bytes], chain_prefix: Sequence[bytes] = ()
+    ) -> PutPlan:
+        """Validate headers against `scope` and find the pages not yet stored. No side effects
+        (but a counter).
 
         Raises InvalidArgument for a malformed header, a page of another scope or layout, an
-        oversize page or too many pages.
+        oversize page or too many pages; ChainRejected (an InvalidArgument, counted in
+        `chain_rejected`) when a page's parent is not a key of the scope (kvstore/chain.py);
+        `chain_prefix` (token ids of prompts from their first page on) vouches for ancestors
+        this node does not know.
         """
         self._check_keys(raw_headers)
         limit = self.config.limits.max_page_bytes
@@ -334,7 +343,23 @@ class Store:
         seen: set[bytes] = set()
         new = []
         need = 0
+        links = [(h.key, h.parent) for h in headers]
         with self._lock:
+            bad = first_unverified(digest, links, self.index.scope_of)
+        if bad is not None and chain_prefix:  # hashed outside the lock, and only when needed
+            vouched = self._prefix_keys(digest, tuple(chain_prefix), scope.layout.page_tokens)
+            known = self.index.scope_of
+
+            def scope_of(key: bytes) -> bytes | None:
+                return digest if key in vouched else known(key)
+
+            with self._lock:
+                bad = first_unverified(digest, links, scope_of)
+        with self._lock:
+            if bad is not None:
+                with self.counters.lock:
+                    self.counters.chain_rejected += 1
+                raise ChainRejected(bad, headers[bad].key, headers[bad].parent)
             for i, planned in enumerate(headers):
                 key = planned.key
                 if key in seen or not self._writable(key):
@@ -343,6 +368,21 @@ class Store:
                 new.append(i)
                 need += planned.payload_bytes
         return PutPlan(scope, tuple(headers), tuple(new), need)
+
+    def _prefix_keys(
+        self, digest: bytes, prefix: tuple[bytes, ...], page_tokens: int
+    ) -> set[bytes]:
+        """`chain.prefix_keys`, remembered for the last few puts: a gRPC put reserves page by
+        page, each with the stream's prefixes."""
+        with self._lock:
+            found = self._prefixes.get((digest, prefix))
+        if found is None:
+            found = prefix_keys(digest, prefix, page_tokens)
+            with self._lock:
+                self._prefixes[(digest, prefix)] = found
+                if len(self._prefixes) > _PREFIX_CACHE:
+                    self._prefixes.popitem(last=False)
+        return found
 
     def _writable(self, key: bytes) -> bool:
         """Whether a put of `key` stores anything: not present (a page deleted while leased is
@@ -359,6 +399,7 @@ class Store:
         io_class: IoClass = IoClass.NORMAL,
         holder: Holder = DAEMON,
         client: str = "",
+        chain_prefix: Sequence[bytes] = (),
     ) -> Reservation:
         """Reserve DRAM slots for the new pages among `raw_headers`. Mutates; takes a RESERVE lease.
 
@@ -372,7 +413,7 @@ class Store:
         (see plan_put) or CapacityExhausted — in which case nothing was reserved and nothing
         else changed.
         """
-        plan = self.plan_put(scope, raw_headers)
+        plan = self.plan_put(scope, raw_headers, chain_prefix)
         limits = self.config.limits
         ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
         for _ in range(_ROOM_ROUNDS):  # pages that must go to SSD to make room: written unlocked
@@ -437,6 +478,8 @@ class Store:
             for i, offset in zip(new, offsets, strict=True):
                 granted[i] = _Pending(plan.headers[i], bytes(raw_headers[i]), offset)
             keys = tuple(p.header.key for p in granted if p is not None)
+            # verified: their children verify while these are being written, and after
+            self.index.chain.remember_many(keys, scope.digest)
             lease = self.leases.grant(LeaseKind.RESERVE, keys, ttl_s)
             if client and new:
                 self._reserved_bytes[client] = self._reserved_bytes.get(client, 0) + slot_bytes

@@ -399,7 +399,13 @@ class BulkServer:
             res = await self._call(
                 io,
                 functools.partial(
-                    store.reserve, scope, headers, self._reserve_ms, io, client=f"{path}:{id(ep)}"
+                    store.reserve,
+                    scope,
+                    headers,
+                    self._reserve_ms,
+                    io,
+                    client=f"{path}:{id(ep)}",
+                    chain_prefix=begin.chain_prefix,
                 ),
             )
         except StrataError as exc:

@@ -352,12 +352,22 @@ class PutBegin(_message.Message):
     IO_CLASS_FIELD_NUMBER: _builtins.int
     PAGE_COUNT_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    CHAIN_PREFIX_FIELD_NUMBER: _builtins.int
     scope: _builtins.bytes
     """canonical Scope encoding (client/scope.py); digest derived from it"""
     io_class: Global___IoClass.ValueType
     page_count: _builtins.int
     tier: Global___Tier.ValueType
     """where to place the pages; unspecified = the node's default"""
+    @_builtins.property
+    def chain_prefix(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Chain prefixes: each the token ids (little-endian uint32) of a prompt's full pages from the
+        scope's first page on. Every key they chain to counts as known, so a node that holds none
+        of a page's ancestors (a cluster places each page on its own nodes) still verifies its key
+        chain (kvstore/chain.py). None = every page follows the scope digest, a page earlier in
+        the put, or a key the node knows.
+        """
+
     def __init__(
         self,
         *,
@@ -365,10 +375,11 @@ class PutBegin(_message.Message):
         io_class: Global___IoClass.ValueType = ...,
         page_count: _builtins.int = ...,
         tier: Global___Tier.ValueType = ...,
+        chain_prefix: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["io_class", b"io_class", "page_count", b"page_count", "scope", b"scope", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_prefix", b"chain_prefix", "io_class", b"io_class", "page_count", b"page_count", "scope", b"scope", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,6 +571,7 @@ class ReserveRequest(_message.Message):
     IO_CLASS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     CLIENT_PID_FIELD_NUMBER: _builtins.int
+    CHAIN_PREFIX_FIELD_NUMBER: _builtins.int
     scope: _builtins.bytes
     """canonical Scope encoding"""
     io_class: Global___IoClass.ValueType
@@ -574,6 +586,10 @@ class ReserveRequest(_message.Message):
     def headers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """one page header per page"""
 
+    @_builtins.property
+    def chain_prefix(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """as PutBegin.chain_prefix"""
+
     def __init__(
         self,
         *,
@@ -582,10 +598,11 @@ class ReserveRequest(_message.Message):
         io_class: Global___IoClass.ValueType = ...,
         lease_ms: _builtins.int = ...,
         client_pid: _builtins.int = ...,
+        chain_prefix: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_pid", b"client_pid", "headers", b"headers", "io_class", b"io_class", "lease_ms", b"lease_ms", "scope", b"scope"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chain_prefix", b"chain_prefix", "client_pid", b"client_pid", "headers", b"headers", "io_class", b"io_class", "lease_ms", b"lease_ms", "scope", b"scope"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
