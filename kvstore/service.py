@@ -233,13 +233,15 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 self._lease_owners = {k: v for k, v in owners.items() if k in leases}
 
     def _check_holder(self, principal: Principal, lease_id: int, *, done: bool) -> None:
-        """PermissionDenied when another principal holds `lease_id` (operators may act on any);
-        `done`: the call ends the lease, forget its holder."""
+        """PermissionDenied when another principal holds `lease_id`, or when it is a live lease
+        no caller holds (one the daemon took for itself: a streamed put's, a data path's);
+        operators may act on any. `done`: the call ends the lease, forget its holder."""
         if self.auth.open:
             return
         with self._owners_lock:
             holder = self._lease_owners.get(lease_id)
-            if holder is not None and holder != principal.name and not principal.operator:
+            foreign = lease_id in self.store.leases if holder is None else holder != principal.name
+            if foreign and not principal.operator:
                 self.auth.denied(principal, "lease")
                 raise PermissionDenied(
                     f"principal {principal.name!r} does not hold lease {lease_id}"
