@@ -271,7 +271,6 @@ def build_pages(
     return pages
 
 
-
 def tokens_le(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 (a put's chain prefix on the wire). Raises
     InvalidArgument for an id that is not a uint32."""
