@@ -14,8 +14,9 @@ Ctrl-C or SIGTERM stops everything in order — router, workers (draining), stor
 checks that no child process and no shared-memory segment of the store is left (it removes a
 segment a crashed store left). Each child also gets SIGKILL from the kernel if `strata up`
 itself dies (PR_SET_PDEATHSIG). The router listens only on 127.0.0.1: open (no API keys, and it
-says so), or with `--api-keys FILE` enforcing the keys of that file (docs/security.md). A
-port that is taken is reported before anything starts.
+says so), or with `--api-keys FILE` enforcing the keys of that file (docs/security.md). The
+store daemon runs open (no tokens file) on 127.0.0.1, and says so too: only this host's users
+reach it. A port that is taken is reported before anything starts.
 """
 
 from __future__ import annotations
@@ -359,7 +360,10 @@ def banner(base: str, model: str, ns: argparse.Namespace, up: Up) -> None:
         print("  open access (no API keys), on 127.0.0.1 only", flush=True)
     key = "YOUR_KEY" if ns.api_keys else "none"
     assert up.store is not None
-    print(f"  store {up.store.address}; " + ", ".join(f"{w.name} {w.address}" for w in workers))
+    print(
+        f"  store {up.store.address} (open: no store tokens, on 127.0.0.1 only); "
+        + ", ".join(f"{w.name} {w.address}" for w in workers)
+    )
     store_metrics = next((m.group(1) for m in map(STORE_METRICS.search, up.store.lines) if m), "")
     if store_metrics:
         print(f"  store metrics {store_metrics}", flush=True)

@@ -89,6 +89,7 @@ def test_up_serves_and_stops_clean(data_dir: Path, colocated: bool) -> None:
         assert match, text
         base, model = match.groups()
         assert "curl " in text and "OpenAI(base_url=" in text and "no API keys" in text
+        assert "(open: no store tokens, on 127.0.0.1 only)" in text
         reply = httpx.post(
             f"{base}/completions",
             json={"model": model, "prompt": "The store keeps pages", "max_tokens": 4},
