@@ -273,17 +273,17 @@ class StoreClient:
         *,
         io_class: IoClass | None = None,
         tier: Tier | None = None,
-    ) -> PutResult:
         chain_prefixes: Sequence[Sequence[int]] = (),
+    ) -> PutResult:
         """Publish `pages` (full pages of `scope`); one status per page. Mutates; never retried.
 
-        `tier` None places pages where the node chooses; on the same-host path pages go into the
         The daemon verifies each page's key chain (kvstore/chain.py): a page must follow the
         scope digest, an earlier page of the put, or a key the node holds or remembers. When it
         may hold none of the pages' ancestors, `chain_prefixes` vouch for them: each the token
         ids of a prompt from its first full page on (every key they chain to counts as known);
         without them such a put raises InvalidArgument "chain does not verify".
 
+        `tier` None places pages where the node chooses; on the same-host path pages go into the
         DRAM segment, so a put asking for another tier takes the gRPC path. InvalidArgument (before
         any RPC) for a page of another scope or layout, or a payload of the wrong size;
         CapacityExhausted when the store is full (see `retry_after_s`).
@@ -294,8 +294,8 @@ class StoreClient:
         conn = self._ready()
         io = self._io(io_class)
         same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
-        statuses: list[PutStatus] = []
         prefix = [tokens_le(p) for p in chain_prefixes]
+        statuses: list[PutStatus] = []
         for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
             part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]
             if same_host:
@@ -404,8 +404,8 @@ class StoreClient:
         views: Sequence[memoryview],
         io: IoClass,
         tier: Tier | None,
-    ) -> tuple[PutStatus, ...]:
         chain_prefix: list[bytes],
+    ) -> tuple[PutStatus, ...]:
         tune_malloc()
         chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
         # Messages are built by hand (one copy of each payload), so the call sends them as is.
@@ -439,8 +439,8 @@ class StoreClient:
         pages: Sequence[Page],
         views: Sequence[memoryview],
         io: IoClass,
-    ) -> tuple[PutStatus, ...]:
         chain_prefix: list[bytes],
+    ) -> tuple[PutStatus, ...]:
         if len(pages) >= _PIPELINE_MIN_PAGES and isinstance(conn.stub, LaneStub):
             return self._put_shm_pipelined(conn, conn.stub, scope, pages, views, io, chain_prefix)
         request = pb.ReserveRequest(
@@ -448,8 +448,8 @@ class StoreClient:
             headers=[p.header.encode() for p in pages],
             io_class=io_class_value(io),
             client_pid=os.getpid(),
-        )
             chain_prefix=chain_prefix,
+        )
         reply = self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
         self._check_segments(conn, reply.lease_id)
         try:
@@ -471,8 +471,8 @@ class StoreClient:
         pages: Sequence[Page],
         views: Sequence[memoryview],
         io: IoClass,
-    ) -> tuple[PutStatus, ...]:
         chain_prefix: list[bytes],
+    ) -> tuple[PutStatus, ...]:
         """`_put_shm` as two halves in flight: the second half's reservation is asked for as
         soon as the first's is granted (the daemon verifies a half's key chain from pages it
         has reserved or stored, kvstore/chain.py); each half is copied as soon as its slots
@@ -503,9 +503,9 @@ class StoreClient:
                 reply = cast(pb.ReserveResponse, reserving[k].result())
                 if reply.lease_id:
                     leases.append(reply.lease_id)
-                self._check_segments(conn, reply.lease_id)
                 if k + 1 < len(parts):
                     reserving.append(start_reserve(parts[k + 1][0]))
+                self._check_segments(conn, reply.lease_id)
                 statuses.extend(write_reserved(reply, conn.maps, part_views))
                 if reply.lease_id:
                     commit = pb.CommitRequest(lease_id=reply.lease_id)
@@ -603,15 +603,15 @@ class StoreClient:
         views: Sequence[memoryview],
         io: IoClass,
         tier: Tier | None,
-    ) -> tuple[PutStatus, ...]:
         chain_prefix: list[bytes],
+    ) -> tuple[PutStatus, ...]:
         begin = pb.PutBegin(
             scope=scope.encode(),
             io_class=io_class_value(io),
             page_count=len(pages),
             tier=pb.Tier.ValueType(int(tier) if tier is not None else 0),
-        ).SerializeToString()
             chain_prefix=chain_prefix,
+        ).SerializeToString()
         try:
             return ucx.put(
                 begin, [p.header.encode() for p in pages], views, timeout_s=self._timeout_s
