@@ -10,6 +10,10 @@ keeps the samples it was fitted on. Sources (equations in milliseconds):
   simdistserve/estimators/time_estimator.py: OPT-13B, tensor parallel 1, A100-80GB:
   prefill = 16.457 + 0.092648 * sum(n) + 6.4748e-6 * sum(n^2) (+1 ms per pipeline stage);
   decode (batch < 95) = 19.935 + 0.00062694 * context + 0.038507 * batch (+1 ms).
+  The same repository's profile of vLLM, the co-located system DistServe compares against, on
+  the same GPU (simdistserve/estimators/profile_data/profiler-a100-80g.vllm.json, OPT-13B TP1):
+  prefill = 23.627 + 0.15055 * sum(n) + 8.6535e-6 * sum(n^2); decode (batch < 95) = 19.563 +
+  0.00049411 * context + 0.050606 * batch; the +1 ms per stage kept as in DistServe's own fit.
 - Preble (Srivatsa et al., ICLR'25), repository WukLab/preble,
   multi_node/benchmarks/exp_configs/model_equations_numpy.py: Mistral-7B on an A6000 under
   SGLang with FlashInfer: linear part 0.10843 * tokens + 4.21 (>= 384 tokens), a quadratic
@@ -55,6 +59,15 @@ def _distserve_prefill(n: int, c: int) -> float:
 
 def _distserve_decode(b: int, ctx: int) -> float:
     return (19.934703 + 0.00062694 * ctx + 0.038507 * b + 1.0) / 1e3
+
+
+def _vllm_opt13b_prefill(n: int, c: int) -> float:
+    # vLLM's profile has no cached-prefix term either.
+    return (23.627362 + 0.15054561 * n + 8.65348374e-6 * n * n + 1.0) / 1e3
+
+
+def _vllm_opt13b_decode(b: int, ctx: int) -> float:
+    return (19.562534 + 0.00049411206 * ctx + 0.050605718 * b + 1.0) / 1e3
 
 
 def _mistral_linear(tokens: int) -> float:
@@ -132,6 +145,16 @@ FITS = {
         "Fitted to DistServe's published OPT-13B TP1 A100-80GB latency equations "
         "(LLMServe/DistServe simdistserve/estimators/profile_data/profiler-a100-80g.json); "
         "pull bandwidths assumed (see loadtests/fits/derive.py).",
+        "A100-80GB",
+    ),
+    "distserve_vllm_opt13b_a100.json": (
+        "facebook/opt-13b",
+        _vllm_opt13b_prefill,
+        _vllm_opt13b_decode,
+        "Fitted to DistServe's published profile of vLLM serving OPT-13B TP1 on an A100-80GB, "
+        "the co-located baseline of DistServe's comparisons (LLMServe/DistServe "
+        "simdistserve/estimators/profile_data/profiler-a100-80g.vllm.json); pull bandwidths "
+        "assumed (see loadtests/fits/derive.py).",
         "A100-80GB",
     ),
     "preble_mistral7b_a6000.json": (

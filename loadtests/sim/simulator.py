@@ -58,8 +58,11 @@ def make_policy(name: str) -> Policy:
 SIM_TPOT_MARGIN = 0.05
 
 
-def admission_config(workload: WorkloadSpec, mode: str) -> AdmissionConfig:
-    """The workload's classes as SLO classes; `off` keeps the shares but drops the targets."""
+def admission_config(
+    workload: WorkloadSpec, mode: str, tpot_margin: float = SIM_TPOT_MARGIN
+) -> AdmissionConfig:
+    """The workload's classes as SLO classes; `off` keeps the shares but drops the targets.
+    `tpot_margin`: the part of each TPOT target a predicted TPOT must leave free."""
     classes = tuple(
         SloClass(
             c.name,
@@ -74,7 +77,7 @@ def admission_config(workload: WorkloadSpec, mode: str) -> AdmissionConfig:
         classes=classes,
         default_class=classes[0].name,
         mode="predicted" if mode == "off" else mode,
-        tpot_margin=SIM_TPOT_MARGIN,
+        tpot_margin=tpot_margin,
     )
 
 
@@ -102,6 +105,7 @@ class Simulator:
         policy: str | None = None,
         admission: str | None = None,
         seed: int | None = None,
+        tpot_margin: float = SIM_TPOT_MARGIN,
     ) -> None:
         self.cluster = cluster
         self.workload = workload
@@ -114,7 +118,7 @@ class Simulator:
         rmodel = router_model(model, cluster)
         self.core = RouterCore(
             make_policy(self.policy_name),
-            Admission(admission_config(workload, self.admission_mode), model=rmodel),
+            Admission(admission_config(workload, self.admission_mode, tpot_margin), model=rmodel),
             rmodel,
             DispatchLedger(),
         )
@@ -396,11 +400,13 @@ def simulate(
     rate: float = 0.0,
     label: str = "",
     duration_s: float | None = None,
+    tpot_margin: float = SIM_TPOT_MARGIN,
 ) -> RunResult:
     """One simulated run (a fresh simulator)."""
-    return Simulator(cluster, workload, model, policy=policy, admission=admission).run(
-        requests, rate=rate, label=label, duration_s=duration_s
+    sim = Simulator(
+        cluster, workload, model, policy=policy, admission=admission, tpot_margin=tpot_margin
     )
+    return sim.run(requests, rate=rate, label=label, duration_s=duration_s)
 
 
 __all__ = ["SIM_POLICIES", "Placement", "Simulator", "make_policy", "simulate"]
