@@ -4,7 +4,9 @@
 timeout=...)` returns the reply or raises a `grpc.RpcError` carrying the status code, details and
 retry hint, so retries and error mapping are shared with the gRPC path. Streaming methods (Put,
 Get, Watch) are forwarded to a real gRPC stub. Connections are pooled, so concurrent callers
-(threads or greenlets) never wait on each other's round trips.
+(threads or greenlets) never wait on each other's round trips. Each new connection first sends
+HELLO with the client's token (client/lane_protocol.py); a daemon that does not trust this
+client with the same-host path refuses it (`LaneError.refused`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc
 from google.protobuf.message import Message
 
 from client.lane_protocol import (
+    HELLO,
     METHOD_IDS,
     METHODS,
     ONE_WAY,
@@ -44,6 +47,11 @@ class LaneError(grpc.RpcError):
 
     def code(self) -> grpc.StatusCode:
         return self._code
+
+    @property
+    def refused(self) -> bool:
+        """The daemon refused this client the lane (its token, principal or user)."""
+        return self._code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
     def details(self) -> str:
         return self._details
@@ -111,12 +119,14 @@ class _LaneMethod:
 
 
 class Lane:
-    """A pool of unix-socket connections to one daemon's lane."""
+    """A pool of unix-socket connections to one daemon's lane, each opened with HELLO carrying
+    `token` (None: none)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str | None = None) -> None:
         if not address.startswith(SCHEME):
             raise ValueError(f"not a lane address: {address!r}")
         self.path = address[len(SCHEME) :]
+        self._hello = (token or "").encode()
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -133,9 +143,14 @@ class Lane:
         sock.settimeout(timeout)
         try:
             sock.connect(self.path)
+            sock.sendall(REQUEST.pack(len(self._hello), HELLO, 0, 0) + self._hello)
+        except TimeoutError:
+            sock.close()
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane HELLO timed out") from None
         except OSError as exc:
             sock.close()
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}") from None
+        self.finish(sock, pool=False)  # the HELLO's answer: LaneError when refused
         return sock
 
     def _give_back(self, sock: socket.socket) -> None:
@@ -168,9 +183,9 @@ class Lane:
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane: {exc}") from None
         return sock
 
-    def finish(self, sock: socket.socket) -> bytes:
-        """The reply to the request just sent on `sock` (which goes back to the pool). Raises
-        LaneError."""
+    def finish(self, sock: socket.socket, *, pool: bool = True) -> bytes:
+        """The reply to the request just sent on `sock` (which then goes back to the pool, with
+        `pool`). Raises LaneError (an error status closes `sock` when it is not pooled)."""
         try:
             length, status, retry_ms = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
             body = bytes(recv_exact(sock, length)) if length else b""
@@ -180,7 +195,10 @@ class Lane:
         except (LaneClosed, OSError) as exc:
             sock.close()
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane: {exc}") from None
-        self._give_back(sock)
+        if pool:
+            self._give_back(sock)
+        elif status != STATUS_OK:
+            sock.close()
         if status != STATUS_OK:
             code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
             raise LaneError(code, body.decode(errors="replace"), retry_ms)

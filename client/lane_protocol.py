@@ -11,6 +11,14 @@ Response frame: u32 payload length | u8 status | 3 reserved | u32 retry-after ms
 
 `status` is 0 for OK (payload = the serialized reply), else a gRPC status code number (payload =
 UTF-8 error details). Flag ONE_WAY asks for no response (used for Release).
+
+The first frame of every connection is HELLO (method 0, payload = the client's bearer token in
+UTF-8, empty for none): the daemon binds the connection to the token's principal, and answers OK
+only to a principal it trusts with the same-host path (`trusted_local`, and the connecting
+process runs as the daemon's user or one of `auth.local_uids`, as the kernel reports it). Any
+other answer (UNAUTHENTICATED, PERMISSION_DENIED) comes with the connection closed: that client
+uses the remote path. An open daemon (no tokens) also serves a connection that starts without
+HELLO, as the OPEN principal, when its user is trusted.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ RESPONSE = struct.Struct("<IB3xI")
 ONE_WAY = 1
 STATUS_OK = 0
 SCHEME = "lane:"
+HELLO = 0  # the first frame's method id (not a protobuf call)
 
 # method id -> (name, request type, response type); ids are part of the protocol: never reuse.
 METHODS: dict[int, tuple[str, type[Message], type[Message]]] = {

@@ -59,7 +59,7 @@ from client._wire import (
     with_token,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
-from client.lane import Lane, LaneCall, LaneStub
+from client.lane import Lane, LaneCall, LaneError, LaneStub
 from client.lane_protocol import SCHEME as LANE_SCHEME
 from client.page import PageHeader
 from client.scope import KEY_BYTES, Scope
@@ -175,10 +175,11 @@ class StoreClient:
         self._max_message_bytes = max_message_bytes
         self._tls = resolve_tls(tls)
         self._token = resolve_token(token)
-        self._ucx = UcxLink(ucx, address, tcp, self._tls)
+        self._ucx = UcxLink(ucx, address, tcp, self._tls, self._token)
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
         self._closed = False
+        self._lane_refused = False  # said once in the log
         self._releases: list[grpc.Future[pb.ReleaseResponse]] = []
         self._counter_lock = threading.Lock()
         self.corrupt_pages = 0
@@ -692,9 +693,23 @@ class StoreClient:
             channel.close()
             raise
         if maps and node.local_address:
-            lane_stub = self._open_local(node, stub)
-            if lane_stub is not None:
-                stub = cast(StoreStub, lane_stub)
+            try:
+                lane_stub = self._open_local(node, stub)
+            except LaneError as refused:  # not trusted with the same-host path: remote path
+                for m in maps:
+                    m.close()
+                maps = ()
+                if self._shared_memory:
+                    channel.close()
+                    raise Unavailable(
+                        f"the store refuses this client shared memory: {refused}"
+                    ) from None
+                if not self._lane_refused:
+                    self._lane_refused = True
+                    log.warning("same-host path refused (%s); using the remote path", refused)
+            else:
+                if lane_stub is not None:
+                    stub = cast(StoreStub, lane_stub)
         conn = _Connection(channel=channel, stub=stub, node=node, maps=maps)
         log.info(
             "connected to store %s (%s) at %s: %s data path",
@@ -706,10 +721,11 @@ class StoreClient:
         return conn
 
     def _open_local(self, node: NodeInfo, grpc_stub: StoreStub) -> LaneStub | None:
-        """Unary control calls over the daemon's same-host lane, if it answers as the same node."""
+        """Unary control calls over the daemon's same-host lane, if it answers as the same node.
+        Raises LaneError when the daemon refuses this client the same-host path."""
         if not node.local_address.startswith(LANE_SCHEME):
             return None
-        lane = Lane(node.local_address)
+        lane = Lane(node.local_address, self._token)
         stub = LaneStub(lane, grpc_stub)
         try:
             reply = stub.NodeInfo(
@@ -718,6 +734,9 @@ class StoreClient:
             if not isinstance(reply, pb.NodeInfoResponse) or reply.node_id != node.node_id:
                 raise Unavailable(f"{node.local_address} is another node")
         except (grpc.RpcError, StrataError) as exc:
+            if isinstance(exc, LaneError) and exc.refused:
+                lane.close()
+                raise
             log.info(
                 "control traffic stays on %s: %s unusable (%s)",
                 self.address,

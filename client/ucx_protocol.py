@@ -7,7 +7,13 @@ A UCX tag message must be received into a buffer of known size, so every exchang
 `PREAMBLE` message, then a `meta` message of `meta_bytes` (when > 0), then payload messages whose
 sizes both ends already know. Messages on one endpoint arrive in the order they were sent.
 
-Get:  client -> GET (meta: a serialized GetRequest)
+Hello (the first exchange of every connection):
+      client -> HELLO (meta: the client's bearer token, UTF-8; empty for none)
+      server -> WELCOME, or ERROR (Unauthenticated) and the connection is closed. The connection
+                is bound to the token's principal; each request is checked against it. An open
+                daemon (no tokens) also serves a connection that starts without HELLO.
+Get:  client -> GET (meta: a serialized GetRequest, with `scope`: the scope's canonical
+                encoding, which a daemon with auth checks against the principal)
       server -> MANIFEST (meta: per key, present or not, header and payload size), then each
                 present page's payload in order; or ERROR
 Put:  client -> PUT (aux: page count; meta: the PutBegin and each page header)
@@ -34,7 +40,9 @@ from client.errors import (
     DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
+    PermissionDenied,
     StrataError,
+    Unauthenticated,
     Unavailable,
 )
 
@@ -52,6 +60,8 @@ KIND_MANIFEST = 3
 KIND_WANT = 4
 KIND_DONE = 5
 KIND_ERROR = 6
+KIND_HELLO = 7
+KIND_WELCOME = 8
 
 _U32 = struct.Struct("<I")
 _ENTRY = struct.Struct("<BIQ")  # present u8 | header_bytes u32 | payload_bytes u64
@@ -65,6 +75,8 @@ _ERRORS: tuple[tuple[int, type[StrataError]], ...] = (
     (4, Corrupt),
     (5, DeadlineExceeded),  # before Unavailable: it is a subclass
     (6, Unavailable),
+    (8, Unauthenticated),
+    (9, PermissionDenied),
 )
 _INTERNAL = 7
 _SETTLE_AFTER_ABORT_S = 5.0

@@ -34,9 +34,11 @@ from client.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
     KIND_GET,
+    KIND_HELLO,
     KIND_MANIFEST,
     KIND_PUT,
     KIND_WANT,
+    KIND_WELCOME,
     PREAMBLE,
     TCP_SCHEME,
     ManifestEntry,
@@ -110,8 +112,10 @@ class UcxTransport:
         fallback_host: str = "",
         max_page_bytes: int = 0,
         tls: TlsOptions | None = None,
+        token: str | None = None,
     ) -> None:
         self.address = address
+        self._hello = (token or "").encode()
         try:
             self._host, self._port = parse_address(address, fallback_host)
         except InvalidArgument as exc:
@@ -237,9 +241,31 @@ class UcxTransport:
         else:
             connecting = self._ucxx.create_endpoint(self._host, self._port)
         try:
-            return await asyncio.wait_for(connecting, max(timeout_s, 0.001))
+            ep = await asyncio.wait_for(connecting, max(timeout_s, 0.001))
         except Exception as exc:
             raise TransportFailed(f"cannot connect to {self.address}: {exc!r}") from None
+        try:
+            await self._greet(ep, time.monotonic() + max(timeout_s, 0.001))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ep.abort()
+            raise
+        return ep
+
+    async def _greet(self, ep: Any, deadline: float) -> None:
+        """The connection's HELLO (this client's token) and the daemon's WELCOME; the typed
+        error (Unauthenticated) when it refuses, TransportFailed when the connection fails."""
+        try:
+            await self._send(ep, preamble(KIND_HELLO, 0, len(self._hello)), deadline)
+            if self._hello:
+                await self._send(ep, self._hello, deadline)
+            kind, _, _ = await self._recv_frame(ep, deadline)
+        except _RemoteError as remote:  # refused: the daemon's typed error, no fall back
+            raise remote.error from None
+        except Exception as exc:
+            raise TransportFailed(f"no HELLO answer from {self.address}: {exc!r}") from None
+        if kind != KIND_WELCOME:
+            raise TransportFailed(f"{self.address} answered HELLO with frame {kind}")
 
     async def _call(self, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
         while self._idle:  # a kept connection the daemon may have closed meanwhile
@@ -393,10 +419,12 @@ class UcxLink:
         grpc_address: str,
         tcp: bool | None = None,
         tls: TlsOptions | None = None,
+        token: str | None = None,
     ) -> None:
         self.mode = mode
         self.tcp_mode = tcp
         self._tls = tls
+        self._token = token
         host, sep, _ = grpc_address.rpartition(":")
         self._grpc_host = host.strip("[]") if sep and not grpc_address.startswith("unix:") else ""
         self._lock = threading.Lock()
@@ -436,6 +464,7 @@ class UcxLink:
                     fallback_host=self._grpc_host,
                     max_page_bytes=max_page_bytes,
                     tls=self._tls,
+                    token=self._token,
                 )
                 try:
                     transport.open(timeout_s)

@@ -4,6 +4,13 @@ One thread accepts connections on a unix socket; one thread per connection reads
 frames and dispatches them to the very same StoreService handlers as gRPC does, through a small
 context object that turns `abort` into an error frame. So the lane adds no behaviour of its own:
 it is only a cheaper way to carry the same messages between processes on one host.
+
+Who may use it: the first frame of a connection (HELLO) carries the client's token; the
+connection is bound to that principal (the handlers read it from the context) and served only
+when the daemon trusts it with the same-host path: a `trusted_local` principal whose process runs
+as the daemon's user or one of `auth.local_uids` (SO_PEERCRED, as the kernel reports it, not as
+the client claims). Anyone else gets UNAUTHENTICATED or PERMISSION_DENIED and the connection is
+closed; the refusal is counted and logged once per principal.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from collections.abc import Callable, Sequence
 import grpc
 from google.protobuf.message import Message
 
+from client.errors import Unauthenticated
 from client.lane_protocol import (
+    HELLO,
     METHOD_IDS,
     METHODS,
     ONE_WAY,
@@ -30,6 +39,7 @@ from client.lane_protocol import (
     recv_exact,
     recv_growing,
 )
+from kvstore.auth import OPEN, Authenticator, Principal
 from kvstore.service import StoreService
 from kvstore_pb import store_pb2
 
@@ -37,6 +47,8 @@ log = logging.getLogger(__name__)
 
 
 _RESERVE = METHOD_IDS["Reserve"]
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
+_PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
 class _Abort(Exception):
@@ -48,11 +60,13 @@ class _Abort(Exception):
 
 class _LaneContext:
     """The slice of grpc.ServicerContext that unary StoreService handlers use, plus the
-    caller's process id as the kernel reports it (`peer_pid`, 0 when unknown)."""
+    caller's process id as the kernel reports it (`peer_pid`, 0 when unknown) and the principal
+    the connection is bound to."""
 
-    def __init__(self, peer_pid: int = 0) -> None:
+    def __init__(self, peer_pid: int = 0, principal: Principal = OPEN) -> None:
         self.retry_after_ms = 0
         self.peer_pid = peer_pid
+        self.principal = principal
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Abort(code, details)
@@ -70,11 +84,25 @@ class _LaneContext:
 
 
 class LaneServer:
-    """Serves the lane on `path` for `service`. `start()`, then `stop()`."""
+    """Serves the lane on `path` for `service`. `start()`, then `stop()`.
 
-    def __init__(self, path: str, service: StoreService, max_frame_bytes: int) -> None:
+    `auth` (None: open) decides who the tokens name; `local_uids`: users besides the daemon's own
+    whose trusted_local principals may use it. Without such users the socket file is the
+    daemon user's alone (0600); with them it is 0666 and HELLO decides (the folder holding it
+    must then let them reach it)."""
+
+    def __init__(
+        self,
+        path: str,
+        service: StoreService,
+        max_frame_bytes: int,
+        auth: Authenticator | None = None,
+        local_uids: frozenset[int] = frozenset(),
+    ) -> None:
         self.path = path
         self._service = service
+        self._auth = auth if auth is not None else Authenticator(None)
+        self._uids = frozenset({os.getuid(), *local_uids})
         self._max_frame = max_frame_bytes
         self._sock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -90,7 +118,7 @@ class LaneServer:
             os.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(self.path)
-        os.chmod(self.path, 0o600)
+        os.chmod(self.path, 0o666 if len(self._uids) > 1 else 0o600)
         sock.listen(128)
         self._sock = sock
         threading.Thread(target=self._accept, name="strata-lane-accept", daemon=True).start()
@@ -129,14 +157,25 @@ class LaneServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            peer_pid = _peer_pid(conn)
+            peer_pid, peer_uid = _peer_cred(conn)
+            principal: Principal | None = None
             while True:
                 length, method, flags, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
                 if length > self._max_frame:
                     log.warning("lane frame of %d bytes exceeds the limit; closing", length)
                     return
                 payload = bytes(recv_growing(conn, length)) if length else b""
-                status, retry_ms, body = self._dispatch(method, payload, peer_pid)
+                if principal is None or method == HELLO:
+                    # the first frame: HELLO, or (open daemon only) a call as the OPEN principal
+                    principal, status, body = self._admit(
+                        payload if method == HELLO and principal is None else None, peer_uid
+                    )
+                    if principal is None or method == HELLO:
+                        conn.sendall(RESPONSE.pack(len(body), status, 0) + body)
+                        if principal is None:
+                            return
+                        continue
+                status, retry_ms, body = self._dispatch(method, payload, peer_pid, principal)
                 try:
                     if flags & ONE_WAY:
                         raise LaneClosed("no reply wanted")
@@ -163,7 +202,40 @@ class LaneServer:
             if lease_id:
                 self._service.store.abort(lease_id)
 
-    def _dispatch(self, method: int, payload: bytes, peer_pid: int = 0) -> tuple[int, int, bytes]:
+    def _admit(self, hello: bytes | None, peer_uid: int) -> tuple[Principal | None, int, bytes]:
+        """(principal, OK, b"") for a connection this daemon lets use the lane, else (None, the
+        refusal's status, its details). `hello`: the HELLO payload (the token), None when the
+        connection began without one (or sent a second)."""
+        auth = self._auth
+        if hello is None and not auth.open:
+            auth.denied(None, "unauthenticated")
+            return None, _UNAUTHENTICATED, b"the lane's first frame must be HELLO with a token"
+        if hello is None:
+            principal = OPEN
+        else:
+            try:
+                principal = auth.authenticate(hello.decode("utf-8", "replace") or None)
+            except Unauthenticated as exc:
+                auth.denied(None, "unauthenticated")
+                return None, _UNAUTHENTICATED, str(exc).encode()
+        why = ""
+        if not principal.trusted_local:
+            why = f"principal {principal.name!r} may not use the same-host path (trusted_local)"
+        elif peer_uid not in self._uids:
+            why = (
+                f"uid {peer_uid} may not use the same-host path: not the daemon's user "
+                "nor in auth.local_uids"
+                if peer_uid >= 0
+                else "the lane cannot tell the connecting user (SO_PEERCRED)"
+            )
+        if why:
+            auth.denied(principal, "local_untrusted")
+            return None, _PERMISSION_DENIED, f"{why}; use the remote path".encode()
+        return principal, STATUS_OK, b""
+
+    def _dispatch(
+        self, method: int, payload: bytes, peer_pid: int = 0, principal: Principal = OPEN
+    ) -> tuple[int, int, bytes]:
         handler = self._handlers.get(method)
         if handler is None:
             return (
@@ -172,7 +244,7 @@ class LaneServer:
                 f"unknown lane method {method}".encode(),
             )
         req_type, fn = handler
-        context = _LaneContext(peer_pid)
+        context = _LaneContext(peer_pid, principal)
         try:
             request = req_type.FromString(payload)
         except Exception as exc:  # protobuf's DecodeError and friends
@@ -191,12 +263,13 @@ class LaneServer:
         return STATUS_OK, 0, reply.SerializeToString()
 
 
-def _peer_pid(conn: socket.socket) -> int:
-    """The connecting process's id in this PID namespace (SO_PEERCRED), 0 when unknown (a peer
-    in a PID namespace this one cannot see is reported as 0 by the kernel)."""
+def _peer_cred(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the connecting process (SO_PEERCRED): its id in this PID namespace, 0 when
+    unknown (a peer in a PID namespace this one cannot see is reported as 0 by the kernel), and
+    its user id in this user namespace, -1 when unknown."""
     try:
         raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
-        return 0
-    pid, _, _ = struct.unpack("3i", raw)
-    return max(int(pid), 0)
+        return 0, -1
+    pid, uid, _ = struct.unpack("3i", raw)
+    return max(int(pid), 0), int(uid)

@@ -40,6 +40,7 @@ from kvstore.metrics import (
 from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store
 from kvstore.tiers.dram import ephemeral_segment_name, reclaim_ephemeral_segments
+from kvstore.tiers.private import make_private, private_folder, private_umask, restore_umask
 from kvstore.tls import ServerTls
 from kvstore.ucx_server import BulkServer
 
@@ -150,16 +151,27 @@ class Daemon:
         self._lane: LaneServer | None = None
         self._ucx: BulkServer | None = None
         self.registration: Registration | None = None
+        self._umask: int | None = None  # the umask before start(), restored by stop()
 
     def start(self) -> DaemonInfo:
-        """Open the store, bind and start serving. Raises Unavailable (port in use, ...)."""
+        """Open the store, bind and start serving. Raises Unavailable (port in use, ...).
+
+        While it runs, the process creates files private to its user (umask 077, restored by
+        `stop`); the data folder and what is in it are made private first (kvstore/tiers/
+        private.py)."""
         cfg = self.config
-        cfg.data_path.mkdir(parents=True, exist_ok=True)
-        if cfg.server.port:
-            # fail before touching the shared-memory segment a running daemon may own
-            _probe_port(cfg.server.host, cfg.server.port)
-        tls = ServerTls.from_config(cfg.tls)  # unreadable PEM files: refused before anything
-        store = Store(cfg)
+        if self._umask is None:
+            self._umask = private_umask()
+        try:
+            _make_paths_private(cfg)
+            if cfg.server.port:
+                # fail before touching the shared-memory segment a running daemon may own
+                _probe_port(cfg.server.host, cfg.server.port)
+            tls = ServerTls.from_config(cfg.tls)  # unreadable PEM files: refused before anything
+            store = Store(cfg)
+        except BaseException:
+            self._restore_umask()
+            raise
         self.store = store
         try:
             sock = cfg.unix_socket_path
@@ -174,7 +186,13 @@ class Daemon:
                 cfg, store, local_address=f"{SCHEME}{sock_str}" if sock_str else "", tls=tls
             )
             if sock_str:
-                self._lane = LaneServer(sock_str, service, cfg.limits.max_message_bytes)
+                self._lane = LaneServer(
+                    sock_str,
+                    service,
+                    cfg.limits.max_message_bytes,
+                    service.auth,
+                    frozenset(cfg.auth.local_uids),
+                )
                 try:
                     self._lane.start()
                 except OSError as exc:
@@ -252,7 +270,7 @@ class Daemon:
         """Serve the bulk data paths configured (UCX where ucxx is usable and TLS is not
         required, TCP); remote clients use gRPC streams where neither runs."""
         server = self.config.server
-        bulk = BulkServer(store, server.host, tls)
+        bulk = BulkServer(store, server.host, tls, service.auth)
         node = service.node
         if server.ucx:
             try:
@@ -315,3 +333,30 @@ class Daemon:
         if self.info and self.info.local_address:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.info.local_address.removeprefix("unix:"))
+        self._restore_umask()
+
+    def _restore_umask(self) -> None:
+        if self._umask is not None:
+            restore_umask(self._umask)
+            self._umask = None
+
+
+def _make_paths_private(cfg: StoreConfig) -> None:
+    """The data folder (and the SSD tier's, when elsewhere) and all in them: 0700 / 0600. The
+    lane socket's folder is created 0700 when missing; one that exists and other users may
+    enter is left as it is (it may be shared on purpose: auth.local_uids), with a warning."""
+    private_folder(cfg.data_path)
+    make_private(cfg.data_path)
+    if cfg.ssd.enabled and not cfg.ssd_path.is_relative_to(cfg.data_path):
+        private_folder(cfg.ssd_path)
+        make_private(cfg.ssd_path)
+    sock = cfg.unix_socket_path
+    if sock is None or sock.parent == cfg.data_path:
+        return
+    if not sock.parent.exists():
+        private_folder(sock.parent)
+    elif sock.parent.stat().st_mode & 0o077 and not cfg.auth.local_uids:
+        log.warning(
+            "the lane socket's folder %s is open to other users (the socket itself is 0600)",
+            sock.parent,
+        )

@@ -9,6 +9,11 @@ every checksum (a network receive), then commits — or aborts and stores nothin
 back as ERROR frames; the connection stays usable. A client that disconnects mid-transfer only
 ends its own connection: its leases are released or aborted, the daemon keeps serving.
 
+Who calls: the first frame of a connection is HELLO with the client's token; the connection is
+bound to its principal (Unauthenticated ends it) and every get and put is checked against that
+principal's namespaces, as the gRPC calls are (a get carries its scope's canonical encoding; its
+digest must be the one sent).
+
 `ucxx` is imported only by `start_ucx()`: a daemon without it serves TCP and gRPC.
 """
 
@@ -25,7 +30,14 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from client.errors import Corrupt, InvalidArgument, StrataError, Unavailable
+from client.errors import (
+    Corrupt,
+    InvalidArgument,
+    PermissionDenied,
+    StrataError,
+    Unauthenticated,
+    Unavailable,
+)
 from client.page import PageHeader
 from client.scope import KEY_BYTES, unpack_keys
 from client.tcp_endpoint import TLS_HANDSHAKE_TIMEOUT_S, ByteStream, SocketEndpoint, accept_tls
@@ -33,9 +45,11 @@ from client.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
     KIND_GET,
+    KIND_HELLO,
     KIND_MANIFEST,
     KIND_PUT,
     KIND_WANT,
+    KIND_WELCOME,
     PREAMBLE,
     TCP_SCHEME,
     ManifestEntry,
@@ -49,6 +63,7 @@ from client.ucx_protocol import (
     settle,
 )
 from client.ucx_runtime import bulk_loop, ucx_runtime
+from kvstore.auth import OPEN, Authenticator, Principal
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
 from kvstore.tls import TLS_HANDSHAKE_BYTE, ServerTls
@@ -123,9 +138,16 @@ class BulkServer:
     with `tls.require` the UCX listener is not started (UCX here cannot encrypt).
     """
 
-    def __init__(self, store: Store, host: str, tls: ServerTls | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        host: str,
+        tls: ServerTls | None = None,
+        auth: Authenticator | None = None,
+    ) -> None:
         self._store = store
         self._host = host
+        self._auth = auth if auth is not None else Authenticator(None)
         self._tls = tls
         self._tls_context = tls.ssl_context() if tls is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -277,16 +299,23 @@ class BulkServer:
         self._handlers.add(task)
         self._endpoints.add(ep)
         path = "tcp" if isinstance(ep, ByteStream) else "ucx"  # for the byte counters
+        principal: Principal | None = None
         try:
             while True:
                 head = bytearray(PREAMBLE.size)
                 await ep.recv(head)
                 frame = parse_preamble(head, self._max_meta)
                 meta = await _recv_meta(ep, frame.meta_bytes)
+                if principal is None:
+                    principal = await self._hello(ep, frame.kind, meta)
+                    if principal is None:
+                        return  # refused (and told so)
+                    if frame.kind == KIND_HELLO:
+                        continue
                 if frame.kind == KIND_GET:
-                    await self._get(ep, meta, path)
+                    await self._get(ep, meta, path, principal)
                 elif frame.kind == KIND_PUT:
-                    await self._put(ep, frame.aux, meta, path)
+                    await self._put(ep, frame.aux, meta, path, principal)
                 else:
                     raise ProtocolError(f"unexpected UCX frame kind {frame.kind}")
         except ProtocolError as exc:
@@ -299,6 +328,57 @@ class BulkServer:
             with contextlib.suppress(Exception):
                 ep.abort()
 
+    async def _hello(self, ep: Any, kind: int, meta: bytearray) -> Principal | None:
+        """The principal of a connection whose first frame is `kind` (WELCOME sent for a HELLO),
+        or None when it is refused (ERROR sent: the connection is to be closed)."""
+        auth = self._auth
+        if kind != KIND_HELLO:
+            if auth.open:
+                return OPEN  # an open daemon serves clients that send no HELLO
+            auth.denied(None, "unauthenticated")
+            await self._send_error(ep, Unauthenticated("the first frame must be HELLO"))
+            return None
+        try:
+            principal = auth.authenticate(bytes(meta).decode("utf-8", "replace") or None)
+        except Unauthenticated as exc:
+            auth.denied(None, "unauthenticated")
+            await self._send_error(ep, exc)
+            return None
+        await ep.send(preamble(KIND_WELCOME))
+        return principal
+
+    def _read_digest(self, principal: Principal, request: store_pb2.GetRequest) -> bytes:
+        """The scope digest of a get after the principal's read check (as the gRPC Get)."""
+        auth = self._auth
+        if not request.scope:
+            if not auth.open:
+                raise InvalidArgument("this daemon checks namespaces: the request must carry scope")
+            if len(request.scope_digest) != KEY_BYTES:
+                raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
+            return request.scope_digest
+        digest, namespace = auth.scope_namespace(request.scope)
+        if request.scope_digest and request.scope_digest != digest:
+            auth.denied(principal, "scope_mismatch")
+            raise InvalidArgument("scope_digest is not the digest of scope")
+        if not auth.open:
+            try:
+                principal.check_read(namespace)
+            except PermissionDenied:
+                auth.denied(principal, "read")
+                raise
+        return digest
+
+    def _check_write(self, principal: Principal, namespace: str, digest: bytes) -> None:
+        auth = self._auth
+        if auth.open:
+            return
+        try:
+            principal.check_write(namespace)
+        except PermissionDenied:
+            auth.denied(principal, "write")
+            raise
+        auth.remember(digest, namespace)
+
     async def _send_error(self, ep: Any, exc: BaseException) -> None:
         if not isinstance(exc, StrataError):
             log.exception("UCX request failed", exc_info=exc)
@@ -308,7 +388,7 @@ class BulkServer:
 
     # ---- get -------------------------------------------------------------------------------
 
-    async def _get(self, ep: Any, meta: bytearray, path: str) -> None:
+    async def _get(self, ep: Any, meta: bytearray, path: str, principal: Principal) -> None:
         store = self._store
         try:
             try:
@@ -321,10 +401,9 @@ class BulkServer:
                     f"{len(request.keys) // KEY_BYTES} keys in one get; the limit is {limit}"
                 )
             keys = unpack_keys(request.keys)
-            if len(request.scope_digest) != KEY_BYTES:
-                raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
+            digest = self._read_digest(principal, request)
             io = io_class_from_wire(request.io_class)
-            acq = await self._call(io, store.acquire, request.scope_digest, keys, io)
+            acq = await self._call(io, store.acquire, digest, keys, io)
         except StrataError as exc:
             await self._send_error(ep, exc)
             return
@@ -376,7 +455,9 @@ class BulkServer:
 
     # ---- put -------------------------------------------------------------------------------
 
-    async def _put(self, ep: Any, page_count: int, meta: bytearray, path: str) -> None:
+    async def _put(
+        self, ep: Any, page_count: int, meta: bytearray, path: str, principal: Principal
+    ) -> None:
         store = self._store
         limits = store.config.limits
         try:
@@ -394,6 +475,7 @@ class BulkServer:
                     f"PutBegin announces {begin.page_count} pages, sent {page_count}"
                 )
             scope = store.scope_of(begin.scope)
+            self._check_write(principal, scope.namespace, scope.digest)
             io = io_class_from_wire(begin.io_class)
             tier = tier_from_wire(begin.tier)
             res = await self._call(

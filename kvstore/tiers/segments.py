@@ -77,7 +77,7 @@ class SegmentFiles:
         self._acct = accounting or threading.Lock()
         try:
             new = not folder.exists()
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # private (tiers/private.py)
             if sync_dirs:
                 if new:
                     sync_dir(folder.parent)

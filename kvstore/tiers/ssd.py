@@ -104,7 +104,7 @@ class SsdTier:
         self._sync = sync_writes
         try:
             new = not self._path.exists()
-            self._path.mkdir(parents=True, exist_ok=True)
+            self._path.mkdir(mode=0o700, parents=True, exist_ok=True)  # private (tiers/private.py)
             if sync_writes and new:
                 sync_dir(self._path.parent)  # the tier's folder itself survives a power loss
         except OSError as exc:
