@@ -180,7 +180,8 @@ def map_node_segments(node: NodeInfo, wanted: bool | None) -> tuple[SegmentMap, 
     if node.host_id != host_id():
         reason = f"the daemon runs on another host (host id {node.host_id!r} != {host_id()!r})"
     elif not node.segments:
-        reason = "the daemon offers no shared-memory segment"
+        # a daemon with auth shows its segment only to principals trusted with it
+        reason = "the daemon offers this client no shared-memory segment"
     else:
         for segment in node.segments:
             try:

@@ -186,6 +186,16 @@ class StoreService(store_pb2_grpc.StoreServicer):
             self.auth.denied(None, "unauthenticated")
             raise
 
+    def _check_local(self, principal: Principal) -> None:
+        """Reserve and Acquire hand out slots of the shared-memory segment: PermissionDenied
+        (counted) for a principal not trusted with the same-host path. (On the lane the daemon
+        has also checked the caller's user, kvstore/lane.py.)"""
+        if not principal.trusted_local:
+            self.auth.denied(principal, "local_untrusted")
+            raise PermissionDenied(
+                f"principal {principal.name!r} may not use the same-host path (trusted_local)"
+            )
+
     def _allow(self, principal: Principal, check: Callable[[str], None], namespace: str) -> None:
         try:
             check(namespace)
@@ -262,7 +272,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def NodeInfo(
         self, request: store_pb2.NodeInfoRequest, context: grpc.ServicerContext
     ) -> store_pb2.NodeInfoResponse:
-        self.principal(context)
+        # the same-host path (segment, lane) is shown only to principals trusted with it
+        local = self.principal(context).trusted_local
         cfg = self.store.config
         stats = self.store.stats()
         dram = self.store.tiers.dram
@@ -297,8 +308,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
                     generations_offset=dram.generations_offset,
                     generation_granule_bytes=dram.generation_granule_bytes,
                 )
-            ],
-            local_address=self.node.local_address,
+            ]
+            if local
+            else [],
+            local_address=self.node.local_address if local else "",
             ucx_address=self.node.ucx_address,
             tcp_address=self.node.tcp_address,
         )
@@ -430,6 +443,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReserveResponse:
         principal = self.principal(context)
+        self._check_local(principal)
         scope = self._write_scope(principal, request.scope)
         if len(request.headers) > self.store.config.limits.max_keys_per_call:
             raise InvalidArgument(
@@ -490,6 +504,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.AcquireRequest, context: grpc.ServicerContext
     ) -> store_pb2.AcquireResponse:
         principal = self.principal(context)
+        self._check_local(principal)
         digest = self._read_digest(principal, request.scope_digest, request.scope)
         io_class = io_class_from_wire(request.io_class)
         acq = self.store.acquire(digest, self._keys(request.keys), io_class, request.lease_ms)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -19,11 +20,12 @@ import stat
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import DaemonFactory, RunningDaemon, assert_intact, chain, make_scope
 
 import kvstore.lane
-from client import StoreClient
+from client import AsyncStoreClient, StoreClient
 from client.errors import Unavailable
 from client.lane import Lane, LaneError, LaneStub
 from client.lane_protocol import METHOD_IDS, REQUEST, RESPONSE, STATUS_OK, recv_exact
@@ -82,20 +84,54 @@ def test_a_trusted_principal_of_the_daemons_user_gets_the_lane(daemon: RunningDa
 def test_an_untrusted_principal_falls_back_to_the_remote_path(
     daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="client.store_client")
+    caplog.set_level(logging.INFO, logger="client.shm")
     tool = _client(daemon, "tool")
     tool.connect()
     assert tool.transport == "grpc"  # no segment mapped, no lane
     assert tool._conn.maps == ()  # type: ignore[union-attr]
-    assert "same-host path refused" in caplog.text
-    assert "trusted_local" in caplog.text
+    assert "offers this client no shared-memory segment" in caplog.text
     pages = chain(A, 2, seed=3)
     assert tool.put(A, pages).stored == 2  # its namespace rights hold on the remote path
     assert_intact(tool, A, pages)
-    assert _denied(daemon, "local_untrusted") == 1
     insist = _client(daemon, "tool", shared_memory=True)
-    with pytest.raises(Unavailable, match="refuses this client shared memory"):
+    with pytest.raises(Unavailable, match="no shared-memory segment"):
         insist.connect()
+    # what the daemon shows and serves it: no segment, no lane, no slots
+    stub = daemon.stub()
+    bearer = (("authorization", f"Bearer {TOKENS['tool']}"),)
+    info = stub.NodeInfo(pb.NodeInfoRequest(), metadata=bearer, timeout=5)
+    assert (list(info.segments), info.local_address) == ([], "")
+    engine_info = stub.NodeInfo(
+        pb.NodeInfoRequest(), metadata=(("authorization", f"Bearer {TOKENS['engine']}"),), timeout=5
+    )
+    assert len(engine_info.segments) == 1 and engine_info.local_address
+    reserve = pb.ReserveRequest(scope=A.encode(), headers=[p.header.encode() for p in chain(A, 1)])
+    acquire = pb.AcquireRequest(scope=A.encode(), keys=pages[0].header.key)
+    for call, request in ((stub.Reserve, reserve), (stub.Acquire, acquire)):
+        with pytest.raises(grpc.RpcError) as refused:
+            call(request, metadata=bearer, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "trusted_local" in refused.value.details()
+    lane = Lane(engine_info.local_address, TOKENS["tool"])  # its token on the lane: refused
+    with pytest.raises(LaneError, match="trusted_local"):
+        _node_info(lane)
+    lane.close()
+    assert _denied(daemon, "local_untrusted") == 3
+    assert_intact(tool, A, pages)
+
+
+async def _async_transport(address: str, token: str) -> str:
+    client = AsyncStoreClient(address, token=token, timeout_s=5.0)
+    try:
+        await client.connect()
+        return client.transport
+    finally:
+        await client.close()
+
+
+def test_the_async_client_gets_the_same_host_path_only_when_trusted(daemon: RunningDaemon) -> None:
+    assert asyncio.run(_async_transport(daemon.address, TOKENS["engine"])) == "shm"
+    assert asyncio.run(_async_transport(daemon.address, TOKENS["tool"])) == "grpc"
 
 
 def test_the_lane_refuses_a_bad_token_and_a_missing_hello(daemon: RunningDaemon) -> None:
