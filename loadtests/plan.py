@@ -18,6 +18,7 @@ SLOs, and refuses more at it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -319,10 +320,13 @@ def main(argv: Sequence[str]) -> int:
         "--duration", type=float, default=30.0, help="simulated seconds of arrivals per trial"
     )
     ap.add_argument("--policy", default="strata")
+    ap.add_argument("--seed", type=int, default=None, help="override the workload's seed")
     ap.add_argument("--json", default=None, help="also write the ranking here")
     args = ap.parse_args(argv)
     try:
         spec = load_workload(args.workload)
+        if args.seed is not None:
+            spec = dataclasses.replace(spec, seed=args.seed)
         base = load_cluster(args.cluster)
         model = TimeModel.load(base.time_model)
         chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
