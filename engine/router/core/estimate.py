@@ -30,9 +30,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import RequestView, Role, WorkerView
+
+# Looking up an enum member costs a few hundred ns on every use; these run for every worker of
+# every decision.
+_COLOCATED = Role.colocated
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +55,12 @@ def prefix_groups(request: RequestView) -> PrefixGroups:
     if usable <= 0:
         return PrefixGroups(0, ())
     tiers, hosts = request.prefix.tiers[:usable], request.prefix.node_hosts[:usable]
+    tier, host = tiers[0], hosts[0]
+    if tiers.count(tier) == usable and hosts.count(host) == usable:  # one tier on one node
+        return PrefixGroups(usable, ((tier, usable, {host: usable}),))
     per_tier: dict[str, dict[str, int]] = {}
-    for (tier, host), count in Counter(zip(tiers, hosts, strict=True)).items():
+    # (PrefixHit checks that tiers and hosts are as long as the hit)
+    for (tier, host), count in Counter(zip(tiers, hosts)).items():  # noqa: B905
         per_tier.setdefault(tier, {})[host] = count
     return PrefixGroups(usable, tuple((t, sum(h.values()), h) for t, h in per_tier.items()))
 
@@ -80,8 +89,9 @@ def queue_s(worker: WorkerView, model: TimeModel) -> float:
     tokens = worker.queued_prefill_tokens
     if tokens <= 0:
         return 0.0
-    drain = model.queue_drain_s(tokens, worker.queued_requests)
-    work = drain + interleaved_s(worker, model, tokens)
+    work = model.queue_drain_s(tokens, worker.queued_requests)
+    if worker.role is _COLOCATED:
+        work += interleaved_s(worker, model, tokens)
     if worker.report_age_s <= 0:
         return work
     return max(work - worker.report_age_s, 0.0)
@@ -93,7 +103,7 @@ def interleaved_s(worker: WorkerView, model: TimeModel, tokens: int) -> float:
     workers, an unknown budget, an idle batch or no tokens."""
     budget = worker.step_token_budget
     running = worker.running_requests
-    if worker.role is not Role.colocated or budget <= 0 or running <= 0 or tokens <= 0:
+    if worker.role is not _COLOCATED or budget <= 0 or running <= 0 or tokens <= 0:
         return 0.0
     per_step = budget - running if budget > running else 1
     steps = -(-tokens // per_step)
@@ -106,8 +116,8 @@ class PrefillPricer:
     and the pull from each host (remembered per host id). A policy builds one per decision and
     asks it for each worker; it mutates only its own memo."""
 
-    __slots__ = ("_compute", "_hit_tokens", "_missed", "_model", "_plan", "_prompt", "_pulls",
-                 "_recompute", "_size")  # fmt: skip
+    __slots__ = ("_compute", "_hit_tokens", "_lines", "_missed", "_model", "_plan", "_prompt",
+                 "_pulls", "_recompute", "_size")  # fmt: skip
 
     def __init__(
         self, request: RequestView, model: TimeModel, groups: PrefixGroups | None = None
@@ -121,22 +131,28 @@ class PrefillPricer:
         self._hit_tokens = plan.pages * request.page_tokens
         self._missed = request.prompt_tokens - self._hit_tokens
         self._compute = model.prefill_s(self._missed, self._hit_tokens) if plan.pages else 0.0
+        # per tier: its pages, {host: pages}, and the lines of its same-host and remote paths
+        self._lines = tuple(
+            (pages, hosts, model.pull_coeffs(tier, True), model.pull_coeffs(tier, False))
+            for tier, pages, hosts in plan.by_tier
+        )
         self._pulls: dict[str, float] = {}
 
     def pull_s(self, host_id: str) -> float:
         """Seconds to pull the usable hit pages to a worker on `host_id`: per tier, the pages on
-        that host over the same-host path, the others as one remote transfer."""
+        that host over the same-host path, the others as one remote transfer (`TimeModel.pull_s`
+        of each, the lines looked up once)."""
         found = self._pulls.get(host_id)
         if found is not None:
             return found
         pull = 0.0
-        model, size = self._model, self._size
-        for tier, pages, hosts in self._plan.by_tier:
+        size = self._size
+        for pages, hosts, same, remote in self._lines:
             local = hosts.get(host_id, 0)
-            if local:
-                pull += model.pull_s(local * size, tier, True)
-            if pages > local:
-                pull += model.pull_s((pages - local) * size, tier, False)
+            if local and same is not None and local * size > 0:
+                pull += same.fixed_s + same.s_per_byte * (local * size)
+            if pages > local and remote is not None and (pages - local) * size > 0:
+                pull += remote.fixed_s + remote.s_per_byte * ((pages - local) * size)
         self._pulls[host_id] = pull
         return pull
 
@@ -145,7 +161,7 @@ class PrefillPricer:
         of its `PrefillEstimate`, without building one (a policy's hot loop)."""
         model = self._model
         waiting = queue_s(worker, model)
-        colocated = worker.role is Role.colocated
+        colocated = worker.role is _COLOCATED
         recompute = self._recompute
         if colocated:
             recompute += interleaved_s(worker, model, self._prompt)
@@ -173,10 +189,11 @@ def estimate_prefill(
     return PrefillPricer(request, model, groups).estimate(worker)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeLoad:
+class DecodeLoad(NamedTuple):
     """A decode worker's batch over time, as predicted from its view. Built once per worker and
-    decision by `decode_load`, then asked for many windows (`over`):
+    decision by `decode_load`, then asked for many windows (`over`, `joined`). Immutable; a
+    named tuple rather than a frozen dataclass because a policy builds one for every decode
+    worker in every decision, and a frozen dataclass takes several times longer to build.
 
     - `steady` requests (with `steady_context` tokens) stay throughout;
     - running requests with a known end: present from the report until `ends[i]` (sorted), each
@@ -224,6 +241,96 @@ class DecodeLoad:
                 tokens += ctx * share
         return requests, tokens
 
+    def joined(
+        self,
+        model: TimeModel,
+        own_context: float,
+        max_tokens: int,
+        join_at_s: float,
+        life_s: float | None = None,
+    ) -> tuple[float, float]:
+        """(requests, context tokens) of the predicted batch a request joins at `join_at_s`,
+        itself left out: the batch averaged over the request's life (`life_s`, or its
+        `max_tokens` at the step of the batch it joins, with `own_context` tokens of its own),
+        never below the batch at the join."""
+        at_join = self.over(join_at_s, join_at_s)
+        if life_s is None:
+            batch = at_join[0] + 1.0
+            life_s = max_tokens * batch_step_s(
+                model, batch, at_join[1] + own_context, self.max_batch
+            )
+        running, context = self.over(join_at_s, join_at_s + life_s)
+        if at_join[0] > running:
+            return at_join
+        return running, context
+
+    def steps_at(
+        self,
+        model: TimeModel,
+        own_context: float,
+        max_tokens: int,
+        joins: Sequence[float],
+        life_s: float | None = None,
+    ) -> list[float]:
+        """For each time in `joins`: seconds of one decode step of the batch (`joined`) that a
+        request with `own_context` tokens and `max_tokens` to generate joins then, itself
+        included (`batch_step_s`). The same numbers as `joined` gives, computed in one loop: a
+        policy asks this for every pair it prices."""
+        steady, steady_context, each = self.steady, self.steady_context, self.each_context
+        ends, sums, spans, reported = self.ends, self.ends_sum, self.spans, self.reported_at_s
+        count = len(ends)
+        decode = model.decode
+        fixed, per_request = decode.fixed_s, decode.per_request_s
+        per_context = decode.per_context_token_s
+        max_batch = self.max_batch
+        cap = max_batch if max_batch > 1 else 1
+        out: list[float] = []
+        for join in joins:
+            # over(join, join): the batch at the join
+            requests, tokens = steady, steady_context
+            first = 0
+            start = join
+            if count:
+                start = join if join > reported else reported
+                first = bisect_right(ends, start)
+                present = float(count - first)
+                requests += present
+                tokens += present * each
+            for since, until, ctx in spans:
+                if since <= join < until:
+                    requests += 1.0
+                    tokens += ctx
+            life = life_s
+            if life is None:
+                life = max_tokens * batch_step_s(
+                    model, requests + 1.0, tokens + own_context, max_batch
+                )
+            end = join + life
+            span = end - join
+            if span > 0:
+                # over(join, join + life): the batch over the request's life
+                running, context = steady, steady_context
+                if count:
+                    last = bisect_right(ends, end, first)
+                    inside = sums[last] - sums[first] - (last - first) * start
+                    present = (inside + (count - last) * (end - start)) / span
+                    running += present
+                    context += present * each
+                for since, until, ctx in spans:
+                    overlap = (until if until < end else end) - (since if since > join else join)
+                    if overlap > 0:
+                        share = overlap / span
+                        running += share
+                        context += ctx * share
+                if not requests > running:
+                    requests, tokens = running, context
+            batch = requests + 1.0
+            if batch <= cap:  # batch_step_s, inline
+                out.append(fixed + per_request * batch + (per_context * (tokens + own_context)))
+            else:
+                out.append(batch_step_s(model, batch, tokens + own_context, max_batch))
+        return out
+
 
 def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
     """The predicted batch of `worker` (see DecodeLoad).
@@ -241,10 +348,9 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
     step = model.decode_step_s(max(running, 1), context)
     if worker.running_remaining_tokens and running > 0 and step > 0:
         each = context / running
-        # step > 0: ordering the remaining token counts orders the end times, each
-        # reported_at + r * step (computed in C: this runs for every decode worker per decision)
+        # step > 0: ordering the remaining token counts orders the end times
         remaining = sorted(worker.running_remaining_tokens[:running])
-        ends = list(map(float(reported_at).__add__, map(float(step).__mul__, remaining)))
+        ends = [reported_at + r * step for r in remaining]
         steady = float(running - len(ends))
         steady_context = each * steady
     sums = tuple(accumulate(ends, initial=0.0))
@@ -278,28 +384,6 @@ def load_over(
     return decode_load(worker, model, now).over(start_s, end_s)
 
 
-def joined_batch(
-    load: DecodeLoad,
-    model: TimeModel,
-    own_context: float,
-    max_tokens: int,
-    join_at_s: float,
-    life_s: float | None = None,
-) -> tuple[float, float]:
-    """(requests, context tokens) of the predicted batch a request joins at `join_at_s`, itself
-    left out: `load` averaged over the request's life (`life_s`, or its `max_tokens` at the step
-    of the batch it joins, with `own_context` tokens of its own), never below the batch at the
-    join."""
-    at_join = load.over(join_at_s, join_at_s)
-    if life_s is None:
-        batch = at_join[0] + 1.0
-        life_s = max_tokens * batch_step_s(model, batch, at_join[1] + own_context, load.max_batch)
-    running, context = load.over(join_at_s, join_at_s + life_s)
-    if at_join[0] > running:
-        return at_join
-    return running, context
-
-
 def estimate_tpot(
     request: RequestView,
     worker: WorkerView,
@@ -313,7 +397,7 @@ def estimate_tpot(
     """Predicted seconds per output token of `request` on decode worker `worker`.
 
     "predicted": the batch averaged over the request's life from `join_at_s` (its length taken
-    at the step time of the batch it joins; `joined_batch`); "current": the batch as reported,
+    at the step time of the batch it joins; `DecodeLoad.joined`); "current": the batch as reported,
     plus itself. The request's own context is its prompt plus half its generation (its mean over
     its life). A batch past `max_batch` time-shares the worker: the step stretches in proportion
     (`batch_step_s`). `load` is `decode_load(worker, model, now)` when the caller has it already;
@@ -323,13 +407,13 @@ def estimate_tpot(
     own = request.prompt_tokens + request.max_tokens / 2.0
     if mode == "predicted":
         batch = load if load is not None else decode_load(worker, model, now)
-        running, context = joined_batch(batch, model, own, request.max_tokens, join_at_s, life_s)
+        running, context = batch.joined(model, own, request.max_tokens, join_at_s, life_s)
     elif mode == "current":
         running, context = float(worker.running_requests), float(worker.running_context_tokens)
     else:
         raise ValueError(f"unknown load mode {mode!r} (predicted, current)")
     step = batch_step_s(model, running + 1.0, context + own, worker.max_batch)
-    if worker.role is not Role.colocated:
+    if worker.role is not _COLOCATED:
         return step
     return step + prefill_stall_s(request, worker, model, running + 1.0)
 
@@ -354,7 +438,7 @@ def prefill_stall_s(
     placement policy's own future choices, not from the worker. With chunking no step waits
     longer than one chunk. Zero for other workers.
     """
-    if worker.role is not Role.colocated:
+    if worker.role is not _COLOCATED:
         return 0.0
     out = request.max_tokens if request.max_tokens > 1 else 1
     per_step = 0.0

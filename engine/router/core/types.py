@@ -171,24 +171,21 @@ class Candidate:
 
 
 class CandidateList(Sequence[Candidate]):
-    """A decision's priced candidates, the winner first, with the rest built when first read.
+    """A decision's priced candidates, the winner first, built when first read.
 
     A policy prices its pairs as plain numbers; the `Candidate` records (and the reason each
-    lost) cost more than the decision itself, and only an explanation reads them. `build`
-    returns the `count - 1` candidates after `winner`, in order; it is called at most once, and
-    must be pure (the decision's inputs are frozen, so it gives what it would have given at
-    decision time). Reading `[0]` or the length builds nothing. Equal to a tuple (or another
-    list) of the same candidates.
+    lost) cost more to build than the decision itself, and only an explanation reads them.
+    `build` returns all `count` candidates in order; it is called at most once and must be pure
+    (a decision's inputs are frozen, so it gives what it would have given at decision time).
+    The length is known without building. Equal to a tuple (or another list) of the same
+    candidates.
     """
 
-    __slots__ = ("_build", "_count", "_items", "_winner")
+    __slots__ = ("_build", "_count", "_items")
 
-    def __init__(
-        self, winner: Candidate, count: int, build: Callable[[], Sequence[Candidate]]
-    ) -> None:
+    def __init__(self, count: int, build: Callable[[], Sequence[Candidate]]) -> None:
         if count < 1:
             raise ValueError(f"a candidate list holds at least its winner, got count {count}")
-        self._winner = winner
         self._count = count
         self._build: Callable[[], Sequence[Candidate]] | None = build
         self._items: tuple[Candidate, ...] | None = None
@@ -197,10 +194,10 @@ class CandidateList(Sequence[Candidate]):
         items = self._items
         if items is None:
             assert self._build is not None
-            rest = tuple(self._build())
-            if len(rest) != self._count - 1:
-                raise AssertionError(f"built {len(rest) + 1} candidates, announced {self._count}")
-            items = self._items = (self._winner, *rest)
+            items = tuple(self._build())
+            if len(items) != self._count:
+                raise AssertionError(f"built {len(items)} candidates, announced {self._count}")
+            self._items = items
             self._build = None
         return items
 
@@ -214,8 +211,6 @@ class CandidateList(Sequence[Candidate]):
     def __getitem__(self, index: slice) -> tuple[Candidate, ...]: ...
 
     def __getitem__(self, index: int | slice) -> Candidate | tuple[Candidate, ...]:
-        if isinstance(index, int) and index in (0, -self._count):
-            return self._winner
         return self._all()[index]
 
     def __iter__(self) -> Iterator[Candidate]:

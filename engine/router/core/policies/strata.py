@@ -17,18 +17,17 @@ needs. Every decision lists the priced candidates and the part of the cost each 
 from __future__ import annotations
 
 import random
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TypeVar
 
 from engine.router.core.estimate import (
     PrefillPricer,
-    batch_step_s,
     decode_load,
     estimate_tpot,
-    joined_batch,
     prefill_stall_s,
 )
-from engine.router.core.policies.base import no_worker, placement_of
+from engine.router.core.policies.base import no_worker
 from engine.router.core.timemodel import TimeModel
 from engine.router.core.types import (
     Candidate,
@@ -40,6 +39,10 @@ from engine.router.core.types import (
     WorkerView,
 )
 
+# Looking up an enum member costs a few hundred ns on every use; these run for every worker of
+# every decision.
+_COLOCATED, _DECODE = Role.colocated, Role.decode
+_PREFILL_SIDE = (Role.prefill, Role.colocated)
 SHORTLIST = 3  # prefill workers (and decode workers for each) priced exactly
 _T = TypeVar("_T")
 _Parts = tuple[float, float, float, int]  # a PrefillPricer.parts: queue, pull, compute, hit tokens
@@ -71,25 +74,19 @@ class Strata:
         decoders: list[WorkerView] = []
         for w in workers:
             if w.healthy and (not want or w.model == want):
-                if w.role is Role.decode:
+                if w.role is _DECODE:
                     decoders.append(w)
-                elif w.role in (Role.prefill, Role.colocated):
+                elif w.role in _PREFILL_SIDE:
                     prefill_side.append(w)
-        servable = [p for p in prefill_side if decoders or p.role is Role.colocated]
+        servable = [p for p in prefill_side if decoders or p.role is _COLOCATED]
         if not servable:
             return no_worker(request, workers)
         # Everything per worker is worked out once: its prefill parts and TTFT, and for decode
         # workers the predicted batch; pairs are then priced from plain numbers, and the
         # Candidate records (with the reason each lost) are built only if the explanation is read.
         pricer = PrefillPricer(request, model)
-        parts = {p.worker_id: pricer.parts(p) for p in servable}
-        ttft = {wid: q + pull + compute for wid, (q, pull, compute, _) in parts.items()}
-        loads = {d.worker_id: decode_load(d, model, now) for d in decoders}
-        stall: dict[str, float] = {}
-        for p in servable:
-            if p.role is Role.colocated:
-                loads[p.worker_id] = decode_load(p, model, now)
-                stall[p.worker_id] = prefill_stall_s(request, p, model, 1.0)
+        parts = [pricer.parts(p) for p in servable]
+        ttft = [q + pull + compute for q, pull, compute, _ in parts]
         max_tokens = request.max_tokens
         own = request.prompt_tokens + max_tokens / 2.0
         weight = self.decode_weight * max_tokens
@@ -97,69 +94,97 @@ class Strata:
         # worker only through the join time, so first each decode worker is priced once, at
         # the earliest join; then the SHORTLIST best prefill workers are priced exactly with
         # their SHORTLIST best decode workers, and the cheapest exact pair wins.
-        earliest = now + min(ttft.values())
-        rough_tpot: dict[str, float] = {}
-        for d in decoders:
-            running, context = joined_batch(loads[d.worker_id], model, own, max_tokens, earliest)
-            rough_tpot[d.worker_id] = batch_step_s(model, running + 1.0, context + own, d.max_batch)
-        by_decode = sorted(decoders, key=lambda d: (rough_tpot[d.worker_id], d.worker_id))
-        decode_list = tuple(
-            self._shortlist(by_decode, [rough_tpot[d.worker_id] for d in by_decode])
+        earliest = (now + min(ttft),)
+        loads = [decode_load(d, model, now) for d in decoders]
+        # (rough TPOT, worker id, index): sorted in (TPOT, id) order, nothing else compared
+        by_decode = sorted(
+            (load.steps_at(model, own, max_tokens, earliest)[0], d.worker_id, k)
+            for k, (d, load) in enumerate(zip(decoders, loads, strict=True))
         )
-        best_rough = rough_tpot[by_decode[0].worker_id] if by_decode else 0.0
-        rough: list[tuple[float, WorkerView, tuple[WorkerView, ...]]] = []
-        for p in servable:
-            if p.role is Role.colocated:
-                rough.append((ttft[p.worker_id], p, (p,)))
-            else:
-                rough.append((ttft[p.worker_id] + weight * best_rough, p, decode_list))
-        rough.sort(key=lambda x: (x[0], x[1].worker_id))
+        decode_list = self._shortlist(by_decode, [t for t, _, _ in by_decode])
+        best_rough = by_decode[0][0] if by_decode else 0.0
+        # (rough cost, worker id, index); a co-located worker's rough cost is its TTFT
+        rough = sorted(
+            (ttft[i] if p.role is _COLOCATED else ttft[i] + weight * best_rough, p.worker_id, i)
+            for i, p in enumerate(servable)
+        )
         shortlisted = self._shortlist(rough, [cost for cost, _, _ in rough])
-        # exact pairs: (cost, prefill, decode, tpot)
-        exact: list[tuple[float, WorkerView, WorkerView, float]] = []
-        for _, p, pair_with in shortlisted:
-            p_ttft = ttft[p.worker_id]
-            join = now + p_ttft
-            for d in pair_with:
-                did = d.worker_id
-                life = max_tokens * rough_tpot[did] if did in rough_tpot else None
-                running, context = joined_batch(loads[did], model, own, max_tokens, join, life)
-                tpot = batch_step_s(model, running + 1.0, context + own, d.max_batch)
-                if d.role is Role.colocated:
-                    tpot += stall[did]
-                exact.append((p_ttft + weight * tpot, p, d, tpot))
+        # Exact prices: per decode worker of the shortlist, the TPOT at the join of each split
+        # prefill worker shortlisted (in one call); a co-located worker with its own batch.
+        split = [i for _, _, i in shortlisted if servable[i].role is not _COLOCATED]
+        joins = [now + ttft[i] for i in split]
+        by_worker = [
+            (k, loads[k].steps_at(model, own, max_tokens, joins, max_tokens * tpot))
+            for tpot, _, k in (decode_list if split else ())
+        ]
+        # exact pairs in the order priced: (cost, prefill index, decode index (-1: itself), tpot)
+        exact: list[tuple[float, int, int, float]] = []
+        at = 0  # the shortlisted split worker's place in `joins`
+        for _, _, i in shortlisted:
+            p = servable[i]
+            p_ttft = ttft[i]
+            if p.role is _COLOCATED:
+                own_load = decode_load(p, model, now)
+                tpot = own_load.steps_at(model, own, max_tokens, (now + p_ttft,))[0]
+                tpot += prefill_stall_s(request, p, model, 1.0)
+                exact.append((p_ttft + weight * tpot, i, -1, tpot))
+                continue
+            for k, steps in by_worker:
+                tpot = steps[at]
+                exact.append((p_ttft + weight * tpot, i, k, tpot))
+            at += 1
         limit = min(e[0] for e in exact) * (1.0 + self.tie_tolerance)
         tied = sorted(
-            (e for e in exact if e[0] <= limit), key=lambda e: (e[1].worker_id, e[2].worker_id)
+            (servable[i].worker_id, servable[i].worker_id if k < 0 else decoders[k].worker_id, n)
+            for n, (cost, i, k, _) in enumerate(exact)
+            if cost <= limit
         )
-        won = tied[0] if len(tied) == 1 else rng.choice(tied)
-        cost, p, d, tpot = won
-        q, pull, compute, hit = parts[p.worker_id]
-        winner = Candidate(
-            p.worker_id, d.worker_id, ttft[p.worker_id], tpot, cost, "", hit, q, pull, compute
-        )
+        won = exact[tied[0][2] if len(tied) == 1 else rng.choice(tied)[2]]
+        cost, i, k, tpot = won
+        p = servable[i]
+        d = p if k < 0 else decoders[k]
+        q, pull, compute, hit = parts[i]
 
         def explain() -> list[Candidate]:
-            """The other candidates, each with why it lost: the exact pairs, then the prefill
-            workers left out of the shortlist, each with its best decode worker."""
-            out = []
+            """Every candidate, the winner first, each other with why it lost: the exact pairs,
+            then the prefill workers left out of the shortlist, each with its best decode
+            worker (its own batch for a co-located one)."""
+            winner = Candidate(
+                p.worker_id, d.worker_id, ttft[i], tpot, cost, "", hit, q, pull, compute
+            )
+            out = [winner]
             for e in exact:
                 if e is not won:
-                    out.append(self._lost(e[1], e[2], e[3], parts, ttft, winner, max_tokens))
-            for _, p, pair_with in rough[len(shortlisted) :]:
-                d = pair_with[0]
-                if p.role is Role.colocated:
-                    pid = p.worker_id
-                    tpot = estimate_tpot(
-                        request, d, model, now, now + ttft[pid], load=loads[d.worker_id]
+                    pe = servable[e[1]]
+                    de = pe if e[2] < 0 else decoders[e[2]]
+                    out.append(
+                        self._lost(pe, de, e[3], parts[e[1]], ttft[e[1]], winner, max_tokens)
+                    )
+            for _, _, j in rough[len(shortlisted) :]:
+                pj = servable[j]
+                if pj.role is _COLOCATED:
+                    load = decode_load(pj, model, now)
+                    dj, tpot_j = (
+                        pj,
+                        estimate_tpot(request, pj, model, now, now + ttft[j], load=load),
                     )
                 else:
-                    tpot = rough_tpot[d.worker_id]
-                out.append(self._lost(p, d, tpot, parts, ttft, winner, max_tokens))
+                    dj, tpot_j = decoders[by_decode[0][2]], by_decode[0][0]
+                out.append(self._lost(pj, dj, tpot_j, parts[j], ttft[j], winner, max_tokens))
             return out
 
         count = len(exact) + len(rough) - len(shortlisted)
-        return placement_of(winner, self.name, CandidateList(winner, count, explain))
+        return Placement(
+            prefill_id=p.worker_id,
+            decode_id=d.worker_id,
+            predicted_ttft_s=ttft[i],
+            predicted_tpot_s=tpot,
+            policy=self.name,
+            candidates=CandidateList(count, explain),
+            predicted_queue_s=q,
+            prefill_work_s=pull + compute,
+            hit_tokens_used=hit,
+        )
 
     def _shortlist(self, ordered: Sequence[_T], costs: Sequence[float]) -> Sequence[_T]:
         """The first SHORTLIST of `ordered` (cheapest first), and every later one tied with the
@@ -167,7 +192,7 @@ class Strata:
         if not ordered:
             return ()
         limit = costs[0] * (1.0 + self.tie_tolerance)
-        keep = max(SHORTLIST, sum(1 for c in costs if c <= limit))
+        keep = max(SHORTLIST, bisect_right(costs, limit))  # costs ascend: those <= limit
         return ordered[:keep]
 
     def _lost(
@@ -175,15 +200,14 @@ class Strata:
         p: WorkerView,
         d: WorkerView,
         tpot: float,
-        parts: dict[str, _Parts],
-        ttft: dict[str, float],
+        parts: _Parts,
+        p_ttft: float,
         winner: Candidate,
         max_tokens: int,
     ) -> Candidate:
         """The candidate (p, d) with the reason it lost to `winner`: the part of its cost that
         is most above the winner's."""
-        q, pull, compute, hit = parts[p.worker_id]
-        p_ttft = ttft[p.worker_id]
+        q, pull, compute, hit = parts
         cost = p_ttft + self.decode_weight * max_tokens * tpot
         if cost <= winner.cost * 1.0000001 + 1e-12:
             reason = f"tied at {cost:.4g}s; the draw picked {winner.prefill_id}"
