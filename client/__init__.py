@@ -13,7 +13,9 @@ from client.errors import (
     DeadlineExceeded,
     InvalidArgument,
     LeaseExpired,
+    PermissionDenied,
     StrataError,
+    Unauthenticated,
     Unavailable,
 )
 from client.etcd import EtcdClient, EtcdUnavailable
@@ -65,6 +67,7 @@ __all__ = [
     "NodeStats",
     "Page",
     "PageHeader",
+    "PermissionDenied",
     "PutResult",
     "PutStatus",
     "Scope",
@@ -76,6 +79,7 @@ __all__ = [
     "Tier",
     "TierInfo",
     "TierStats",
+    "Unauthenticated",
     "Unavailable",
     "WritableBuffer",
     "build_pages",
