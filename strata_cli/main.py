@@ -17,11 +17,13 @@ commands:
   bench cluster      cluster put/get throughput and lookup latency, 1 node vs N nodes
   bench engine       engine TTFT with no cache vs a full DRAM / SSD hit; decode tokens/s
   bench keys         page-key hashing cost: BLAKE2b-128 (key schema 2) vs xxh3, per page
+  bench auth         store calls with principals' tokens vs an open daemon (lookup, get)
   bench isolation    critical gets under a background flood, DRAM gets with a slow disk, vs idle
   bench router       router added latency vs direct, decisions/s, TTFT by policy, prediction error
   drill              router operator drills: prefill pool down, half the decode pool down, 1% loss
   chaos              store load while faults are injected; checks no page is served wrong
-  fuzz page|props    longer page-codec fuzzing: atheris (--seconds N) or hypothesis (--examples N)
+  fuzz [--target T]  longer fuzzing (T: page codec, or a live daemon's rpc|lane|tcp): atheris
+                     (--seconds N); `fuzz props --target page|rpc`: hypothesis (--examples N)
   model init PATH    write a random-weight checkpoint (--preset tiny|small)
   prefill            run a prefill worker (--model PATH --store ADDR [--port N])
   decode             run a decode worker (--model PATH --store ADDR [--port N])
@@ -46,9 +48,13 @@ def _serve(argv: Sequence[str]) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: strata bench store|cluster|engine|keys|isolation|router [--help]")
+        print("usage: strata bench store|cluster|engine|keys|auth|isolation|router [--help]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
+    if what == "auth":
+        from loadtests.bench_auth import main as auth_main
+
+        return auth_main(rest)
     if what == "store":
         from loadtests.bench_store import main
 
@@ -74,7 +80,7 @@ def _bench(argv: Sequence[str]) -> int:
 
         return router_main(rest)
     print(
-        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, keys, isolation, router)", file=sys.stderr
+        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, keys, auth, isolation, router)", file=sys.stderr
     )
     return 2
 

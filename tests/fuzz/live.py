@@ -115,7 +115,12 @@ class LiveDaemon:
         print(f"audit: {report.served} pages served, all well-formed; {report.missing} misses")
         for client in self._clients[:2]:  # the shared-memory and the gRPC client
             into = [bytearray(LEGIT_SCOPE.page_payload_bytes) for _ in self.legit]
-            result = client.get(LEGIT_SCOPE, [p.header.key for p in self.legit], into)
+            result = client.get(
+                LEGIT_SCOPE,
+                [p.header.key for p in self.legit],
+                into,
+                tokens=[p.header.tokens for p in self.legit],
+            )
             got = [
                 bytes(b) if h is not None else None
                 for h, b in zip(result.headers, into, strict=True)

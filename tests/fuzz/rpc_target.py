@@ -1,0 +1,390 @@
+"""A coverage-guided (atheris / libFuzzer) target: mutated request bytes against a live daemon.
+
+    STRATA_FUZZ_TARGET=rpc|lane|tcp python tests/fuzz/rpc_target.py [libFuzzer flags] [CORPUS ...]
+    strata fuzz --target rpc|lane|tcp [--seconds N | --runs N]
+
+The daemon runs in this process (its kvstore/ and client/ code instrumented, so libFuzzer sees
+the coverage of the daemon's parsing and checks) and is reached only over loopback, as any
+client would reach it:
+
+- `rpc`: byte 0 picks the method, byte 1 where a request stream ends abruptly, the rest is the
+  serialized request (for Put, messages each prefixed by a little-endian u16 length), sent with
+  no serializer over a plain grpc channel (`channel.unary_unary(path)`).
+- `lane`: one frame on the same-host lane's unix socket: byte 0 the method id (0 = HELLO), byte
+  1 the flags (bit 7: the frame announces the u32 of bytes 2-5 as its length instead of the
+  truth), the rest the payload.
+- `tcp`: one frame of the TCP data path (client/ucx_protocol.py): byte 0 the kind, byte 1 flags
+  (bit 0: a foreign magic, bit 1: announce the u32 of bytes 6-9 as meta length), bytes 2-5 aux,
+  bytes 10-11 the meta length (capped by what is left), then the meta, then payload bytes sent
+  if the daemon answers WANT.
+
+A crash is an answer that is not a clean status (UNKNOWN, INTERNAL, an ERROR frame of code
+INTERNAL; tests/fuzz/rpc_calls.py `check`), a complete request left unanswered past a deadline,
+or the daemon not answering NodeInfo afterwards. Every `AUDIT_EVERY` inputs, the store's own
+`check_integrity` runs and every page the daemon serves is read back and checked
+(rpc_calls.audit), and the legitimate tenant's pages must be intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import socket
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+import atheris
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fuzz package
+
+import grpc
+
+# Not instrumented: the tiers, the mover, metrics, config and the SDK's clients (imported first,
+# so the block below does not instrument them: seconds of start-up for code that inputs do not
+# reach). Instrumented: what parses and checks requests (service, lane, bulk server, store,
+# index, leases, auth, chain, the codecs).
+import client.async_client
+import client.cluster_client  # noqa: F401
+import kvstore.config
+import kvstore.metrics
+import kvstore.mover
+import kvstore.tiers.dram
+import kvstore.tiers.gpu
+import kvstore.tiers.ssd  # noqa: F401
+
+with atheris.instrument_imports(include=["kvstore", "client"]):
+    from client import StoreClient, build_pages
+    from client.lane_protocol import METHOD_IDS, REQUEST, RESPONSE
+    from client.ucx_protocol import (
+        KIND_DONE,
+        KIND_ERROR,
+        KIND_GET,
+        KIND_PUT,
+        KIND_WANT,
+        MAGIC,
+        PREAMBLE,
+        VERSION,
+        encode_put,
+    )
+    from kvstore.config import load_config
+    from kvstore.server import Daemon
+
+from fuzz.rpc_calls import KINDS, METHODS, Call, audit, check, healthy, send
+from fuzz.rpc_strategies import FUZZ_SCOPE, OTHER_SCOPE, World, fresh_pages, seed_calls
+
+from kvstore_pb import store_pb2 as pb
+
+TARGET = os.environ.get("STRATA_FUZZ_TARGET", "rpc")
+SELF_TEST = os.environ.get("STRATA_FUZZ_SELF_TEST") == "1"  # plant a bug: the harness must see it
+AUDIT_EVERY = int(os.environ.get("STRATA_FUZZ_AUDIT_EVERY", "500"))
+TIMEOUT_S = 5.0
+CLEAN_CODES = {0} | {code.value[0] for code in (grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)}  # fmt: skip
+TCP_INTERNAL = 7  # client/ucx_protocol.py: the ERROR code of an exception that is not typed
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+
+
+class Failures(logging.Handler):
+    """Records what the daemon logs at ERROR or with a traceback (each one a finding)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR or record.exc_info:
+            self.records.append(self.format(record))
+
+
+FAILURES = Failures()
+
+
+class Live:
+    """The daemon under fuzzing, a legitimate tenant's pages in it, and a gRPC channel."""
+
+    def __init__(self) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="strata-fuzz-"))
+        self.daemon = Daemon(
+            load_config(
+                env={},
+                overrides={
+                    "server.host": "127.0.0.1",
+                    "server.port": "0",
+                    "server.metrics_port": "-1",
+                    "server.unix_socket": str(folder / "lane.sock"),
+                    "server.ucx": "false",
+                    "server.tcp": "true",
+                    "data_dir": str(folder / "data"),
+                    "dram.capacity_bytes": "32MiB",
+                    "ssd.capacity_bytes": "64MiB",
+                    "limits.max_keys_per_call": "64",
+                    "limits.chunk_bytes": "64KiB",
+                    "limits.max_message_bytes": "320KiB",
+                    "limits.lease_ttl_ms": "2000",
+                    "limits.max_reserve_lease_ms": "2000",
+                },
+            )
+        )
+        info = self.daemon.start()
+        self.address = info.address
+        self.lane_path = info.local_address.removeprefix("lane:")
+        host, _, port = info.tcp_address.removeprefix("tcp://").rpartition(":")
+        self.tcp = (host, int(port))
+        self.channel = grpc.insecure_channel(self.address)
+        self.client = StoreClient(self.address, shared_memory=True)
+        rng = random.Random(7)
+        layout = FUZZ_SCOPE.layout
+        legit_scope = FUZZ_SCOPE.__class__(
+            model_id="legit/model", weights_revision="w", tokenizer_fingerprint="t",
+            kv_dtype="float16", layout=layout, namespace="legit",
+        )  # fmt: skip
+        self.legit_scope = legit_scope
+        tokens = [rng.randrange(50_000) for _ in range(8 * layout.page_tokens)]
+        payloads = [rng.randbytes(legit_scope.page_payload_bytes) for _ in range(8)]
+        self.legit = build_pages(legit_scope, tokens, payloads)
+        assert self.client.put(legit_scope, self.legit).stored == 8
+        known = build_pages(
+            FUZZ_SCOPE,
+            [rng.randrange(50_000) for _ in range(6 * layout.page_tokens)],
+            [rng.randbytes(FUZZ_SCOPE.page_payload_bytes) for _ in range(6)],
+        )
+        assert self.client.put(FUZZ_SCOPE, known).stored == 6
+        self.world = World(FUZZ_SCOPE, OTHER_SCOPE, tuple(p.header.key for p in known), 64)
+        self.inputs = 0
+
+    def check_all(self) -> None:
+        """The store's own integrity check, an audit of every page it serves, the legit pages."""
+        store = self.daemon.store
+        assert store is not None
+        store.check_integrity()
+        store.tiers.dram.check_integrity()
+        with store._lock:
+            live = {
+                e.key: e.scope_digest for e in (store.index.get(k) for k in store.index_keys()) if e
+            }
+        report = audit(self.channel, live, self.world.scopes)
+        assert not report.bad, report.bad[:5]
+        into = [bytearray(self.legit_scope.page_payload_bytes) for _ in self.legit]
+        got = self.client.get(
+            self.legit_scope,
+            [p.header.key for p in self.legit],
+            into,
+            tokens=[p.header.tokens for p in self.legit],
+        )
+        assert all(h is not None for h in got.headers), "a legitimate page went missing"
+        assert [bytes(b) for b in into] == [bytes(p.payload) for p in self.legit]
+
+
+LIVE: Live | None = None
+
+
+def live() -> Live:
+    global LIVE
+    if LIVE is None:
+        LIVE = Live()
+    return LIVE
+
+
+# ---- rpc -------------------------------------------------------------------------------------
+
+
+def split_messages(data: bytes) -> tuple[bytes, ...]:
+    """u16-length-prefixed messages; what is left over is the last one."""
+    out: list[bytes] = []
+    pos = 0
+    while pos + 2 <= len(data) and len(out) < 64:
+        (n,) = _U16.unpack_from(data, pos)
+        out.append(data[pos + 2 : pos + 2 + n])
+        pos += 2 + n
+    if pos < len(data):
+        out.append(data[pos:])
+    return tuple(out)
+
+
+def join_messages(messages: tuple[bytes, ...]) -> bytes:
+    return b"".join(_U16.pack(len(m)) + m for m in messages)
+
+
+def fuzz_rpc(d: Live, data: bytes) -> None:
+    if len(data) < 2:
+        return
+    method = METHODS[data[0] % len(METHODS)]
+    body = data[2:]
+    if KINDS[method][0]:
+        abort_after = data[1] - 1 if data[1] < 16 else -1
+        call = Call(method, split_messages(body), abort_after)
+    else:
+        call = Call(method, (body,))
+    timeout = 0.05 if method == "Watch" else TIMEOUT_S
+    outcome = send(d.channel, call, timeout)
+    problem = check(call, outcome)
+    if problem:
+        raise AssertionError(f"{problem} [{call.describe()}]")
+    if SELF_TEST and method == "NodeInfo" and outcome.code is grpc.StatusCode.OK:
+        raise AssertionError("self test: an answered NodeInfo counts as a failure")
+
+
+# ---- lane ------------------------------------------------------------------------------------
+
+
+def _recv(sock: socket.socket, n: int) -> bytes | None:
+    """Exactly n bytes, or None when the daemon closed the connection first."""
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            return None
+        buf += part
+    return bytes(buf)
+
+
+def fuzz_lane(d: Live, data: bytes) -> None:
+    if len(data) < 6:
+        return
+    method, flags = data[0] % 16, data[1]
+    payload = data[6:]
+    lying = bool(flags & 0x80)
+    length = _U32.unpack_from(data, 2)[0] if lying else len(payload)
+    frame = REQUEST.pack(length, method, flags & 0x7F, 0) + payload
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(TIMEOUT_S)
+        sock.connect(d.lane_path)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(frame)
+        if lying or flags & 1:  # announced more than it sent, or asked for no answer
+            return
+        try:
+            head = _recv(sock, RESPONSE.size)
+        except ConnectionResetError:
+            return
+        except TimeoutError:
+            raise AssertionError(f"lane method {method}: no answer in {TIMEOUT_S} s") from None
+        if head is None:
+            return  # the daemon ended the connection (a frame it will not serve)
+        size, status, _ = RESPONSE.unpack(head)
+        body = _recv(sock, size) or b""
+        if status not in CLEAN_CODES:
+            raise AssertionError(f"lane method {method} answered status {status}: {body[:300]!r}")
+        if b"Traceback" in body:
+            raise AssertionError(f"lane method {method} leaked a traceback: {body[:300]!r}")
+
+
+# ---- tcp -------------------------------------------------------------------------------------
+
+
+def fuzz_tcp(d: Live, data: bytes) -> None:
+    if len(data) < 12:
+        return
+    kind, flags = data[0] % 8, data[1]
+    aux = _U32.unpack_from(data, 2)[0]
+    rest = data[12:]
+    meta_len = min(_U16.unpack_from(data, 10)[0], len(rest))
+    meta, payload = rest[:meta_len], rest[meta_len:]
+    lying = bool(flags & 2)
+    announced = _U32.unpack_from(data, 6)[0] if lying else meta_len
+    magic = MAGIC ^ 0x0101 if flags & 1 else MAGIC
+    frame = PREAMBLE.pack(magic, VERSION, kind, aux, announced) + meta
+    with socket.create_connection(d.tcp, timeout=TIMEOUT_S) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(frame)
+        if lying:
+            return
+        for _ in range(2):  # the answer; after a WANT, the put's outcome
+            try:
+                head = _recv(sock, PREAMBLE.size)
+            except ConnectionResetError:
+                return
+            except TimeoutError:
+                if kind in (KIND_GET, KIND_PUT) and not flags & 1:
+                    raise AssertionError(
+                        f"tcp frame kind {kind}: no answer in {TIMEOUT_S} s"
+                    ) from None
+                return
+            if head is None:
+                return
+            _, _, got_kind, got_aux, got_meta = PREAMBLE.unpack(head)
+            body = _recv(sock, min(got_meta, 1 << 20)) or b""
+            if got_kind == KIND_ERROR and got_aux == TCP_INTERNAL:
+                raise AssertionError(f"tcp frame kind {kind}: an INTERNAL error: {body[:300]!r}")
+            if got_kind != KIND_WANT:
+                return
+            with contextlib.suppress(OSError):  # the daemon may have closed it already
+                sock.sendall(payload)
+                sock.shutdown(socket.SHUT_WR)  # what was not sent will not come
+        assert got_kind in (KIND_DONE, KIND_ERROR, KIND_WANT)
+
+
+FUZZERS = {"rpc": fuzz_rpc, "lane": fuzz_lane, "tcp": fuzz_tcp}
+
+
+def one_input(data: bytes) -> None:
+    d = live()
+    FUZZERS[TARGET](d, data)
+    problem = healthy(d.channel, TIMEOUT_S)
+    if problem:
+        raise AssertionError(problem)
+    if FAILURES.records:
+        raise AssertionError("the daemon logged an error:\n" + FAILURES.records[0])
+    d.inputs += 1
+    if d.inputs % AUDIT_EVERY == 0:
+        d.check_all()
+
+
+# ---- seeds -----------------------------------------------------------------------------------
+
+
+def seeds(world: World) -> dict[str, bytes]:
+    pages = fresh_pages(world.scope, 2, seed=11)
+    out: dict[str, bytes] = {}
+    if TARGET == "rpc":
+        for call in seed_calls(world, pages):
+            index = METHODS.index(call.method)
+            body = join_messages(call.requests) if KINDS[call.method][0] else call.requests[0]
+            out[f"rpc-{call.method}"] = bytes([index, 255]) + body
+    elif TARGET == "lane":
+        for call in seed_calls(world, pages):
+            if call.method in METHOD_IDS:
+                out[f"lane-{call.method}"] = (
+                    bytes([METHOD_IDS[call.method], 0, 0, 0, 0, 0]) + call.requests[0]
+                )
+        out["lane-hello"] = bytes([0, 0, 0, 0, 0, 0])
+    else:
+        s = world.scope
+        get = pb.GetRequest(
+            scope_digest=s.digest, scope=s.encode(), keys=b"".join(world.known_keys[:3])
+        )
+        meta = get.SerializeToString()
+        out["tcp-get"] = bytes([KIND_GET, 0]) + bytes(8) + _U16.pack(len(meta)) + meta
+        begin = pb.PutBegin(scope=s.encode(), page_count=len(pages)).SerializeToString()
+        meta = encode_put(begin, [h for h, _ in pages])
+        out["tcp-put"] = (
+            bytes([KIND_PUT, 0]) + _U32.pack(len(pages)) + bytes(4) + _U16.pack(len(meta)) + meta
+            + b"".join(p for _, p in pages)
+        )  # fmt: skip
+    return out
+
+
+def main() -> None:
+    logging.getLogger().addHandler(FAILURES)  # the only handler: expected warnings stay quiet
+    logging.getLogger().setLevel(logging.WARNING)
+    args = list(sys.argv)
+    folders = [Path(a) for a in args[1:] if not a.startswith("-")]
+    if folders:
+        world = live().world
+        for folder in folders:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, blob in seeds(world).items():
+                (folder / name).write_bytes(blob)
+    atheris.Setup(args, one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
