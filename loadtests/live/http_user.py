@@ -7,6 +7,11 @@ stamps, on the run's clock: the first token, every inter-token gap, the end. Sta
 The live latency split comes from the `strata_timings` a Strata router puts on the last chunk
 (the workers' own queue, pull and compute times, see `split_latency`); against another server
 TTFT goes to `prefill_s` and the rest to `decode_s`.
+
+`post_completion(...)` is the same request not streamed (`completion_body(..., stream=False)`):
+the client sees only the end, so the record has no first token (TTFT and TPOT are not
+observable; `metrics.meets` judges it on its end-to-end time) and its split comes from the
+`strata_timings` a Strata router puts in the response body (`split_whole`).
 """
 
 from __future__ import annotations
@@ -34,19 +39,23 @@ class Sent:
     max_tokens: int
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, object]:
-    return {
+def completion_body(
+    model: str, prompt: list[int], max_tokens: int, *, stream: bool = True
+) -> dict[str, object]:
+    body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
         "ignore_eos": True,
         "temperature": 0.0,
         # Each streamed token's id (Strata's extension): a token whose text is still an
         # incomplete character arrives with empty text and is counted by its id.
         "return_token_ids": True,
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 def split_latency(timings: dict[str, object], ttft_s: float, decode_total_s: float) -> Breakdown:
@@ -90,7 +99,47 @@ def split_latency(timings: dict[str, object], ttft_s: float, decode_total_s: flo
     )
 
 
-def stream_completion(
+def split_whole(timings: dict[str, object], e2e_s: float) -> Breakdown:
+    """The latency split of a non-streamed request from the `strata_timings` (ms) of its body.
+
+    The workers' parts as in `split_latency` (prefill queue, compute + sampling, KV movement,
+    decode queue; a `decode_ms` part when the router reports one); the client saw no first
+    token, so what the workers do not account for goes to `decode_s` when there is no
+    `decode_ms` (it is the decode worker's streaming, mostly) and to `other_s` when there is.
+    Without timings (another server) nothing is known of the parts: it is all `other_s`.
+    The parts add up to `e2e_s` (a report longer than it is clipped).
+    """
+
+    def part(name: str) -> float:
+        value = timings.get(name, 0.0)
+        return float(value) / 1e3 if isinstance(value, int | float) and value > 0 else 0.0
+
+    if not timings:
+        return Breakdown(other_s=max(e2e_s, 0.0))
+    left = max(e2e_s, 0.0)
+
+    def take(x: float) -> float:
+        nonlocal left
+        got = min(x, left)
+        left -= got
+        return got
+
+    queue = take(part("prefill_queue_ms"))
+    compute = take(part("prefill_compute_ms") + part("sample_ms"))
+    pull = take(
+        part("lookup_ms")
+        + part("prefill_pull_ms")
+        + part("publish_wait_ms")
+        + part("decode_pull_ms")
+    )
+    d_queue = take(part("decode_queue_ms"))
+    if "decode_ms" in timings:
+        decode = take(part("decode_ms"))
+        return Breakdown(queue, compute, pull, d_queue, decode, other_s=left)
+    return Breakdown(queue, compute, pull, d_queue, decode_s=left)
+
+
+def post_completion(
     http: httpx.Client,
     base_url: str,
     body: dict[str, object] | bytes,
@@ -100,6 +149,76 @@ def stream_completion(
     timeout_s: float = 60.0,
     headers: dict[str, str] | None = None,
 ) -> RequestRecord:
+    """One non-streamed completion: the end only, its tokens from `usage` (or `token_ids`),
+    its split from the body's `strata_timings` when present."""
+    status, http_status, error = "ok", 0, ""
+    tokens = cached = 0
+    timings: dict[str, object] = {}
+    prefill_worker = decode_worker = ""
+    finish = math.nan
+    try:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        hdrs = {"content-type": "application/json", **(headers or {})}
+        resp = http.post(
+            f"{base_url}/completions", content=content, headers=hdrs, timeout=timeout_s
+        )
+        finish = now()
+        http_status = resp.status_code
+        prefill_worker = resp.headers.get("x-strata-prefill", "")
+        decode_worker = resp.headers.get("x-strata-decode", "")
+        if resp.status_code != 200:
+            status = "refused" if resp.status_code == 429 else "failed"
+            error = resp.text[:300]
+        else:
+            doc = resp.json()
+            if not isinstance(doc, dict):
+                raise ValueError("the response body is not a JSON object")
+            usage = doc.get("usage") or {}
+            tokens = int(usage.get("completion_tokens", 0))
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+            if not tokens:
+                tokens = sum(len(c.get("token_ids") or ()) for c in doc.get("choices") or ())
+            if isinstance(doc.get("strata_timings"), dict):
+                timings = doc["strata_timings"]
+            if not tokens:
+                status, error = "failed", "the response had no token"
+    except httpx.TimeoutException as exc:
+        status, error = "timeout", str(exc)[:300] or "timed out"
+    except (httpx.HTTPError, json.JSONDecodeError, ValueError, TypeError, AttributeError) as exc:
+        status, error = "failed", f"{type(exc).__name__}: {exc}"[:300]
+    ok = status == "ok"
+    return RequestRecord(
+        request_id=sent.request_id,
+        slo_class=sent.slo_class,
+        status=status,
+        intended_s=sent.intended_s,
+        sent_s=sent.sent_s,
+        first_token_s=math.nan,
+        finish_s=finish if ok else math.nan,
+        prompt_tokens=sent.prompt_tokens,
+        output_tokens=tokens if ok else 0,
+        max_tokens=sent.max_tokens,
+        hit_tokens=(("unknown", cached),) if cached and ok else (),
+        breakdown=split_whole(timings, finish - sent.intended_s) if ok else Breakdown(),
+        prefill_worker=prefill_worker,
+        decode_worker=decode_worker,
+        http_status=http_status,
+        error=error,
+    )
+
+
+def stream_completion(
+    http: httpx.Client,
+    base_url: str,
+    body: dict[str, object] | bytes,
+    sent: Sent,
+    now: Callable[[], float],
+    *,
+    timeout_s: float = 60.0,
+    headers: dict[str, str] | None = None,
+    on_first_token: Callable[[], None] | None = None,
+) -> RequestRecord:
+    """One streamed completion; `on_first_token()` is called as its first token arrives."""
     times: list[float] = []
     tokens = 0
     cached = 0
@@ -147,6 +266,9 @@ def stream_completion(
                             )  # every token, gaps of 0 within a chunk
                         elif ids is None and choice.get("text"):
                             times.append(now())  # a server without token ids: one per text chunk
+                    if times and on_first_token is not None:
+                        on_first_token()
+                        on_first_token = None
                 if not times and status == "ok":
                     status, error = "failed", "the stream ended without a token"
     except httpx.TimeoutException as exc:

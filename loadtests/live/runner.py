@@ -1,4 +1,4 @@
-"""`strata loadtest WORKLOAD.toml [--url URL | --up] [--duration S] [--out DIR] [--rates a,b,c]`
+"""`strata loadtest WORKLOAD.toml [--url URL | --up] [--duration S] [--out DIR] [--rates a,b,c | --search]`
 
 Runs the workload open loop against an OpenAI-compatible server (a URL, or a fresh `strata up`
 started and stopped here), headless under locust's library API with gevent: one locust user runs
@@ -12,6 +12,15 @@ every few seconds: elapsed, sent, in flight, current send and completion rates. 
 slow). Bytes moved and
 evictions are the store daemon's counters (its Prometheus metrics, which `--up` finds and
 `--store-metrics URL` gives) read before and after each rate.
+
+`--search` finds the goodput by bounded bisection over the rate (`search.py`: `--search-low`,
+`--search-high`, `--search-steps` short runs). `--no-stream` sends non-streamed requests (the
+latency split from the response body's `strata_timings`). `--fresh-prefixes` gives each rate
+the workload's prompts under a token-id shift of its own (a bijection of the vocabulary, so each
+rate shares within itself exactly as the workload does, and nothing with the rates before it).
+`--validate CLUSTER.toml` (with `--up` and `--rates`) measures the serving path first
+(`calibrate.py`), runs the rates with fresh prefixes, simulates the same requests on the
+cluster with the measured terms and writes both into one report (`validation.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import sys
 import tempfile
@@ -29,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from loadtests.live.target import UpTarget
     from loadtests.report.records import RunResult
 
 
@@ -58,6 +69,33 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of arrivals per rate")
     ap.add_argument("--rates", default=None, help="comma list of request rates to sweep")
+    ap.add_argument(
+        "--search", action="store_true", help="find the goodput by bisection over the rate"
+    )
+    ap.add_argument("--search-low", type=float, default=0.5, help="lowest rate to search (/s)")
+    ap.add_argument("--search-high", type=float, default=8.0, help="highest rate to search (/s)")
+    ap.add_argument("--search-steps", type=int, default=5, help="runs in the search, at most")
+    ap.add_argument(
+        "--no-stream", action="store_true", help="non-streamed requests (end-to-end only)"
+    )
+    ap.add_argument(
+        "--fresh-prefixes",
+        action="store_true",
+        help="each rate's prompts shifted apart, so no rate hits what an earlier one cached",
+    )
+    ap.add_argument(
+        "--validate",
+        default=None,
+        metavar="CLUSTER.toml",
+        help="measure the serving path, run the rates live, simulate them on this cluster and "
+        "report live against simulated (with --up and --rates)",
+    )
+    ap.add_argument(
+        "--time-model",
+        default=None,
+        help="with --validate: the profile whose pulls the simulation uses (default: the one "
+        "`strata up` used, else the cluster's)",
+    )
     ap.add_argument("--out", default="loadtest-report")
     ap.add_argument("--request-timeout", type=float, default=60.0)
     ap.add_argument(
@@ -81,41 +119,107 @@ def main(argv: Sequence[str]) -> int:
     from gevent import monkey
 
     monkey.patch_all()
+    from loadtests.live.calibrate import CalibrationError
+    from loadtests.live.search import SearchError, check_range, search
     from loadtests.live.target import TargetError
     from loadtests.report.files import write_report
+    from loadtests.sim.cluster import ClusterError, load_cluster
     from loadtests.workload import WorkloadError, load_workload
 
     try:
         spec = load_workload(args.workload)
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [None]
-    except (WorkloadError, ValueError) as exc:
+        if args.search:
+            if args.rates:
+                raise ValueError("--search and --rates exclude each other")
+            check_range(args.search_low, args.search_high, args.search_steps)
+        cluster = load_cluster(args.validate) if args.validate else None
+        if cluster is not None and (not args.up or not args.rates or args.search):
+            raise ValueError("--validate needs --up and --rates (and no --search)")
+    except (WorkloadError, ValueError, SearchError, ClusterError) as exc:
         print(f"strata loadtest: {exc}", file=sys.stderr)
         return 2
     if args.store:
         return _run_store(args, spec, rates[0])
+    fresh = args.fresh_prefixes or cluster is not None
+    shifts = itertools.count(1 if fresh else 0)
+    calibration = None
     try:
-        with _target(args) as (base_url, model, store_metrics):
-            print(
-                f"load test {spec.name} against {base_url} (model {model}), rates "
-                f"{', '.join(f'{r:g}/s' if r else f'{spec.arrival.rate:g}/s (spec)' for r in rates)}",
-                flush=True,
-            )
-            runs = [
-                _with_store_counters(
-                    store_metrics, functools.partial(_run_rate, args, spec, base_url, model, rate)
+        with _target(args) as target:
+            if cluster is not None:
+                from loadtests.live.validation import calibrate
+
+                calibration = calibrate(args, spec, target, cluster)
+
+            def run_at(rate: float | None) -> RunResult:
+                shift = next(shifts) if fresh else 0
+                return _with_store_counters(
+                    target.store_metrics,
+                    functools.partial(
+                        _run_rate, args, spec, target.base_url, target.model, rate, shift
+                    ),
                 )
-                for rate in rates
-            ]
-    except TargetError as exc:
+
+            if args.search:
+                print(
+                    f"goodput search {spec.name} against {target.base_url} (model "
+                    f"{target.model}): {args.search_low:g} to {args.search_high:g}/s, at most "
+                    f"{args.search_steps} runs",
+                    flush=True,
+                )
+                runs, probes = search(
+                    run_at,
+                    args.search_low,
+                    args.search_high,
+                    args.search_steps,
+                    progress=lambda line: print(line, flush=True),
+                )
+            else:
+                print(
+                    f"load test {spec.name} against {target.base_url} (model {target.model}), "
+                    "rates "
+                    + ", ".join(
+                        f"{r:g}/s" if r else f"{spec.arrival.rate:g}/s (spec)" for r in rates
+                    ),
+                    flush=True,
+                )
+                runs = [run_at(rate) for rate in rates]
+    except (TargetError, CalibrationError) as exc:
         print(f"strata loadtest: {exc}", file=sys.stderr)
         return 1
-    paths = write_report(runs, args.out, f"Load test: {spec.name}", plots=not args.no_plots)
+    if cluster is not None and calibration is not None:
+        from loadtests.live.validation import simulate_and_report
+
+        return simulate_and_report(args, spec, cluster, calibration, runs)
+    extra = ""
+    if args.search:
+        from loadtests.live.search import goodput
+
+        rows = "\n".join(
+            f"| {i} | {p.rate:.3g} | {p.attainment * 100:.1f}% | {'yes' if p.valid else 'NO'} | "
+            f"{'meets' if p.passed() else 'misses'} |"
+            for i, p in enumerate(probes, 1)
+        )
+        extra = (
+            f"## Goodput search\n\n{args.search_low:g} to {args.search_high:g}/s, "
+            f"{len(probes)} of at most {args.search_steps} runs: goodput **{goodput(probes):.3g}/s**"
+            "\n\n| step | rate /s | attainment | valid | goal |\n|---|---|---|---|---|\n"
+            + rows
+            + "\n"
+        )
+    paths = write_report(
+        runs, args.out, f"Load test: {spec.name}", plots=not args.no_plots, extra_markdown=extra
+    )
     from loadtests.report.compare import side_by_side
 
     print(side_by_side(runs))
     invalid = [r.label for r in runs if not _valid(r)]
     if invalid:
         print(f"INVALID (the client fell behind its schedule): {', '.join(invalid)}")
+    if args.search:
+        from loadtests.live.search import goodput
+
+        print(f"goodput {goodput(probes):.3g}/s (search of {len(probes)} runs)", flush=True)
     print(f"wrote {paths['json']} and {paths['markdown']}", flush=True)
     return 0
 
@@ -141,34 +245,50 @@ def _with_store_counters(metrics_url: str, run: Callable[[], RunResult]) -> RunR
 
 
 @contextlib.contextmanager
-def _target(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
-    """(API base URL, model, the store's metrics URL or "")."""
-    from loadtests.live.target import DEFAULT_UP_ARGS, fresh_up, model_of
+def _target(args: argparse.Namespace) -> Iterator[UpTarget]:
+    """The server under test: a URL, or a fresh `strata up` (stopped on exit)."""
+    from loadtests.live.target import DEFAULT_UP_ARGS, UpTarget, fresh_up, model_of
+
+    def given(t: UpTarget) -> UpTarget:
+        return UpTarget(
+            t.base_url, args.model or t.model, args.store_metrics or t.store_metrics, t.profile
+        )
 
     if args.url:
         base = args.url.rstrip("/")
-        yield base, args.model or model_of(base), args.store_metrics or ""
+        yield given(UpTarget(base, args.model or model_of(base)))
         return
     up_args = args.up_args.split() if args.up_args else list(DEFAULT_UP_ARGS)
     if args.up_data_dir:
-        with fresh_up(up_args, Path(args.up_data_dir)) as (base, model, metrics):
-            yield base, args.model or model, args.store_metrics or metrics
+        with fresh_up(up_args, Path(args.up_data_dir)) as target:
+            yield given(target)
         return
     with (
         tempfile.TemporaryDirectory(prefix="strata-loadtest-") as tmp,
-        fresh_up(up_args, Path(tmp)) as (base, model, metrics),
+        fresh_up(up_args, Path(tmp)) as target,
     ):
-        yield base, args.model or model, args.store_metrics or metrics
+        yield given(target)
 
 
-def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: float | None):
+def shift_tokens(ids: Sequence[int], shift: int, low: int, vocab: int) -> list[int]:
+    """`ids` under a rotation of [low, vocab) by `shift` (a bijection: equal prompts stay equal,
+    shared prefixes stay shared, and a shifted prompt shares no page with an unshifted one)."""
+    span = vocab - low
+    if shift % span == 0:
+        return list(ids)
+    return [low + (t - low + shift) % span if t >= low else t for t in ids]
+
+
+def _run_rate(
+    args: argparse.Namespace, spec, base_url: str, model: str, rate: float | None, shift: int = 0
+):
     import gevent
     import httpx
     from locust import User, task
     from locust.env import Environment
     from locust.exception import StopUser
 
-    from loadtests.live.http_user import Sent, completion_body, stream_completion
+    from loadtests.live.http_user import Sent, completion_body, post_completion, stream_completion
     from loadtests.live.openloop import OpenLoop
     from loadtests.report.records import ClassTarget, RequestRecord, RunResult, Sample
     from loadtests.workload import generate_requests, request_token_ids
@@ -188,10 +308,23 @@ def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: f
     # Prompts and bodies are built before the clock starts: nothing CPU-heavy on the send path.
     import json
 
+    stream = not args.no_stream
+    low, vocab = spec.model.token_low, spec.model.vocab_size
+    # a shift of 0 is the workload's own ids; each fresh-prefix rate rotates them by 1/7 of the
+    # vocabulary more (mod its size), so no two rates of a sweep share a page
+    step = max(1, (vocab - low) // 7)
     bodies = [
-        json.dumps(completion_body(model, request_token_ids(r, spec.model), r.max_tokens)).encode()
+        json.dumps(
+            completion_body(
+                model,
+                shift_tokens(request_token_ids(r, spec.model), shift * step, low, vocab),
+                r.max_tokens,
+                stream=stream,
+            )
+        ).encode()
         for r in requests
     ]
+    send = stream_completion if stream else post_completion
 
     # Warm-up: a few requests of prompts outside the workload (nothing it shares gets cached),
     # one at a time and not recorded, so the first rate after start-up is not slower than the rest.
@@ -214,7 +347,7 @@ def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: f
         sent = Sent(
             req.request_id, req.slo_class, intended, sent_at, req.prompt_tokens, req.max_tokens
         )
-        rec = stream_completion(
+        rec = send(
             http, base_url, body, sent, loop.now, timeout_s=args.request_timeout, headers=headers
         )
         records[index] = rec
@@ -306,6 +439,10 @@ def _run_rate(args: argparse.Namespace, spec, base_url: str, model: str, rate: f
         f"schedule lag p99 {getattr(sched, 'p99_lag_s', math.nan) * 1e3:.2f} ms, max "
         f"{getattr(sched, 'max_lag_s', math.nan) * 1e3:.2f} ms",
     )
+    if shift:
+        notes = (*notes, f"prompts shifted by {shift * step} token ids (fresh prefixes)")
+    if not stream:
+        notes = (*notes, "not streamed: end-to-end only")
     return RunResult(
         label=f"live @ {offered:g}/s",
         kind="live",

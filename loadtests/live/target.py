@@ -1,8 +1,9 @@
 """What a load test runs against: a URL, or a fresh `strata up` started (and stopped) here.
 
 `fresh_up(args, log)` starts `strata up` as a child process (its own arguments, default the tiny
-preset on a free port), waits for its "Strata is up at URL model: NAME" banner (bounded), and on
-exit sends SIGTERM and waits for its ordered stop (then SIGKILL as a last resort). `model_of(url)`
+preset on a free port), waits for its "Strata is up at URL model: NAME" banner (bounded), yields
+an `UpTarget` (URL, model, the store's metrics URL, the time model file `strata up` used), and
+on exit sends SIGTERM and waits for its ordered stop (then SIGKILL as a last resort). `model_of(url)`
 asks /v1/models for the first model when none was given. `store_counters(url)` reads a store
 daemon's bytes moved and evictions from its Prometheus metrics (the runner takes the difference
 over each run).
@@ -19,17 +20,27 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 UP_BANNER = re.compile(r"Strata is up at (http://\S+/v1)\s+model: (\S+)")
 STORE_METRICS = re.compile(r"store metrics (http://\S+)")
+UP_PROFILE = re.compile(r"(?:time model: |saved to )(\S+\.json)")
 DEFAULT_UP_ARGS = ("--preset", "tiny", "--port", "0", "--max-context", "1024", "--ssd", "0")
 
 
 class TargetError(RuntimeError):
     """The target could not be reached or started."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpTarget:
+    base_url: str  # the OpenAI API, e.g. http://127.0.0.1:8000/v1
+    model: str
+    store_metrics: str = ""  # the store daemon's Prometheus URL ("" = unknown)
+    profile: str = ""  # the time model file `strata up` measured or reused ("" = unknown)
 
 
 def model_of(base_url: str, timeout_s: float = 10.0) -> str:
@@ -44,8 +55,8 @@ def model_of(base_url: str, timeout_s: float = 10.0) -> str:
 @contextlib.contextmanager
 def fresh_up(
     up_args: Sequence[str], data_dir: Path, *, start_timeout_s: float = 900.0
-) -> Iterator[tuple[str, str, str]]:
-    """Yields (API base URL, model, the store daemon's metrics URL or "")."""
+) -> Iterator[UpTarget]:
+    """Yields the running system's `UpTarget`."""
     args = [sys.executable, "-m", "strata_cli.main", "up", *up_args, "--data-dir", str(data_dir)]
     proc = subprocess.Popen(
         args,
@@ -74,8 +85,15 @@ def fresh_up(
         match = UP_BANNER.search("\n".join(lines))
         if match is None:
             raise TargetError("strata up printed no URL:\n" + "\n".join(lines[-30:]))
-        metrics = STORE_METRICS.search("\n".join(lines))
-        yield match.group(1), match.group(2), metrics.group(1) if metrics else ""
+        text = "\n".join(lines)
+        metrics = STORE_METRICS.search(text)
+        profile = UP_PROFILE.search(text)
+        yield UpTarget(
+            match.group(1),
+            match.group(2),
+            metrics.group(1) if metrics else "",
+            profile.group(1) if profile else "",
+        )
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

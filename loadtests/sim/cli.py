@@ -6,7 +6,10 @@ Markdown, plots). Prints the side-by-side table and each policy's ratios against
 `--validate LIVE.json` simulates the rates of a live report (with this cluster, typically one
 built from this machine's `strata profile`) and lays live and simulated p50s side by side;
 `--overheads-from CALIBRATION.json` first fits the cluster's serving-path terms to another live
-run (its lowest rate), so the validation is not fitted to the runs it judges.
+run (its lowest rate), so the validation is not fitted to the runs it judges;
+`--calibration CALIBRATION.json` instead applies the serving-path terms `strata loadtest
+--validate` measured (with `--time-model` its `calibrated_timemodel.json`), which redoes the
+simulated half of such a validation.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from loadtests.sim.simulator import SIM_POLICIES, simulate
 from loadtests.sim.validate import (
     calibration_run,
     fit_overheads,
+    load_terms,
     validation_table,
+    verdict,
     without_overheads,
 )
 from loadtests.workload import WorkloadError, WorkloadSpec, generate_requests, load_workload
@@ -128,6 +133,11 @@ def main(argv: Sequence[str]) -> int:
         help="a live calibration report.json: fit the cluster's request and token overheads to "
         "its lowest rate first",
     )
+    ap.add_argument(
+        "--calibration",
+        default=None,
+        help="a calibration.json of `strata loadtest --validate`: its measured serving-path terms",
+    )
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -138,6 +148,10 @@ def main(argv: Sequence[str]) -> int:
         model = TimeModel.load(args.time_model or cluster.time_model)
         live: list[RunResult] = load_runs(args.validate) if args.validate else []
         calibration = load_runs(args.overheads_from) if args.overheads_from else []
+        if args.calibration:
+            if args.overheads_from:
+                raise ValueError("--calibration and --overheads-from exclude each other")
+            cluster = cluster.with_(**load_terms(args.calibration))
     except (WorkloadError, ClusterError, ReportError, ValueError, FileNotFoundError) as exc:
         print(f"strata simulate: {exc}", file=sys.stderr)
         return 2
@@ -197,6 +211,8 @@ def main(argv: Sequence[str]) -> int:
     print(side_by_side(runs))
     if live:
         print(validation_table(live, runs))
+        within, points = verdict(live, runs)
+        print(f"{within} of {points} within ±25%")
     for line in ratios(runs):
         print(line)
     print(f"wrote {paths['json']} and {paths['markdown']}")

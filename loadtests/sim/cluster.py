@@ -13,6 +13,9 @@
     chunk_tokens = 0           # co-located chunked prefill: token budget per iteration (0 = off)
     request_overhead_s = 0.0   # serving path per request (router, RPCs, sampling) before its first token
     token_overhead_s = 0.0     # serving path per decode iteration (host scheduling, streaming)
+    handoff_s = 0.0            # xPyD: per request, first token -> decode join, beyond the KV pull
+    prefill_contention = 1.0   # a prefill iteration's slowdown while another engine of its host computes
+    decode_contention = 1.0    # a decode iteration's slowdown while another engine of its host computes
     [store]
     mode = "global"            # global (Strata) | per_engine (local prefix caches) | none
     dram = "64GiB"             # per host
@@ -72,6 +75,9 @@ class ClusterSpec:
     chunk_tokens: int = 0
     request_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
+    handoff_s: float = 0.0
+    prefill_contention: float = 1.0
+    decode_contention: float = 1.0
     store: str = "global"
     dram_bytes: int = 64 << 30
     ssd_bytes: int = 0
@@ -137,6 +143,10 @@ def validate(spec: ClusterSpec) -> None:
         raise ClusterError("chunk_tokens must be >= 0")
     if spec.request_overhead_s < 0 or spec.token_overhead_s < 0:
         raise ClusterError("request_overhead_s and token_overhead_s must be >= 0")
+    if spec.handoff_s < 0:
+        raise ClusterError("handoff_s must be >= 0")
+    if spec.prefill_contention < 1 or spec.decode_contention < 1:
+        raise ClusterError("prefill_contention and decode_contention must be >= 1")
     if spec.store not in STORE_MODES:
         raise ClusterError(
             f"store.mode must be one of {', '.join(STORE_MODES)}, got {spec.store!r}"
@@ -185,6 +195,9 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         "chunk_tokens",
         "request_overhead_s",
         "token_overhead_s",
+        "handoff_s",
+        "prefill_contention",
+        "decode_contention",
         "store",
         "router",
     }
@@ -223,6 +236,9 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         chunk_tokens=_int(raw, "chunk_tokens", 0),
         request_overhead_s=_float(raw, "request_overhead_s", 0.0),
         token_overhead_s=_float(raw, "token_overhead_s", 0.0),
+        handoff_s=_float(raw, "handoff_s", 0.0),
+        prefill_contention=_float(raw, "prefill_contention", 1.0),
+        decode_contention=_float(raw, "decode_contention", 1.0),
         store=str(store.get("mode", "global")),
         dram_bytes=parse_size(store.get("dram", 64 << 30), "store.dram"),
         ssd_bytes=parse_size(store.get("ssd", 0), "store.ssd"),

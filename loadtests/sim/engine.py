@@ -12,7 +12,11 @@ One `SimEngine` per engine, in one of three roles (the router core's `Role`):
 Iteration times come from the time model (`prefill_s`, `decode_step_s`, `pull_s`), plus the
 cluster's serving-path terms: `request_overhead_s` in the iteration that ends a prefill, and
 `token_overhead_s` in every decode iteration (0 by default; `strata simulate --overheads-from`
-fits them to a live run). The pool
+fits them to a live run), `handoff_s` between a prefill's first token and the decode engine's
+queue (beyond the modelled KV pull), and `prefill_contention` / `decode_contention`: an
+iteration that starts while another engine of its host computes takes that many times longer
+(engines sharing one machine's processors; 1 by default; `strata loadtest --validate` measures
+all of these live). The pool
 holds each running request's pages (prompt + max_tokens, reserved when it starts) and, in the
 per-engine store mode, an LRU prefix cache in whatever room is left.
 """
@@ -52,6 +56,7 @@ class Job:
     progress: int = 0
     generated: int = 0
     hit_tokens: dict[str, int] = field(default_factory=dict)
+    handed_off: bool = False  # the cluster's handoff_s has been paid
 
     @property
     def started(self) -> bool:
@@ -120,6 +125,12 @@ class SimEngine:
         self.kick()
 
     def enqueue_join(self, job: Job) -> None:
+        handoff = self.sim.cluster.handoff_s
+        if handoff > 0 and not job.handed_off:  # the serving path's part of the hand-off
+            job.handed_off = True
+            job.transfer_s += handoff
+            self.sim.loop.after(handoff, self.enqueue_join, job)
+            return
         self.join_q.append(job)
         self.kick()
 
@@ -129,9 +140,20 @@ class SimEngine:
         plan = self._plan()
         if plan is None:
             return
+        duration = plan.duration_s * self._contention(plan)
         self.busy = True
-        self.busy_s += plan.duration_s
-        self.sim.loop.after(plan.duration_s, self._done, plan)
+        self.busy_s += duration
+        self.sim.loop.after(duration, self._done, plan)
+
+    def _contention(self, plan: Iteration) -> float:
+        """The cluster's slowdown for `plan` when another engine of this host is computing as it
+        starts (1 when none is, or when the cluster has no contention terms)."""
+        c = self.sim.cluster
+        factor = c.prefill_contention if plan.prefills else c.decode_contention
+        if factor == 1.0:
+            return 1.0
+        busy = any(e.busy for e in self.sim.engines if e is not self and e.host == self.host)
+        return factor if busy else 1.0
 
     # -- pool -----------------------------------------------------------------------------------
     def _cached(self) -> int:

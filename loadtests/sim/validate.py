@@ -1,20 +1,32 @@
 """Live vs simulated: the same workload's TTFT and TPOT p50 at each rate, with their ratio.
 
 A simulated p50 within ±25% of the live one counts as agreement (the issue's target); the table
-says so per rate and metric. `fit_overheads` measures the serving path the time model leaves out
-(a calibration run's lowest rate, live against simulated without overheads).
+says so per rate and metric, marks a live run whose client fell behind, and `verdict` counts the
+points. `fit_overheads` fits the two serving-path overheads to a calibration run's lowest rate
+(live against simulated without overheads); `strata loadtest --validate` measures every
+serving-path term instead (loadtests/live/calibrate.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from loadtests.report.metrics import run_metrics
 from loadtests.report.records import RunResult
 from loadtests.sim.cluster import ClusterSpec
 
 TOLERANCE = 0.25
+# the cluster's serving-path terms `strata loadtest --validate` measures (loadtests/live/calibrate.py)
+SERVING_TERMS = (
+    "request_overhead_s",
+    "token_overhead_s",
+    "handoff_s",
+    "prefill_contention",
+    "decode_contention",
+)
 
 
 def agreement(
@@ -37,16 +49,25 @@ def agreement(
 
 
 def validation_table(live: Sequence[RunResult], sim: Sequence[RunResult]) -> str:
+    invalid = {r.target_rate for r in live if not run_metrics(r).valid}
     lines = [
         "| rate /s | metric | live ms | simulated ms | sim/live | within ±25% |",
         "|---|---|---|---|---|---|",
     ]
     for rate, name, a, b, ok in agreement(live, sim):
         ratio = b / a if a else math.nan
+        mark = " (live INVALID: client behind)" if rate in invalid else ""
         lines.append(
-            f"| {rate:.3g} | {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {ratio:.2f} | {'yes' if ok else 'NO'} |"
+            f"| {rate:.3g}{mark} | {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {ratio:.2f} | "
+            f"{'yes' if ok else 'NO'} |"
         )
     return "\n".join(lines)
+
+
+def verdict(live: Sequence[RunResult], sim: Sequence[RunResult]) -> tuple[int, int]:
+    """(points within ±25%, points compared)."""
+    points = agreement(live, sim)
+    return sum(1 for p in points if p[4]), len(points)
 
 
 def calibration_run(live: Sequence[RunResult]) -> RunResult:
@@ -72,3 +93,16 @@ def fit_overheads(live: Sequence[RunResult], sim_at_lowest: RunResult) -> tuple[
 
 def without_overheads(cluster: ClusterSpec) -> ClusterSpec:
     return cluster.with_(request_overhead_s=0.0, token_overhead_s=0.0)
+
+
+def load_terms(path: str | Path) -> dict[str, float]:
+    """The serving-path terms of a `calibration.json` (ValueError naming what is wrong)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        terms = {str(k): float(v) for k, v in dict(doc["terms"]).items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a calibration.json ({exc})") from None
+    unknown = sorted(set(terms) - set(SERVING_TERMS))
+    if unknown:
+        raise ValueError(f"{path}: unknown terms {unknown}")
+    return terms

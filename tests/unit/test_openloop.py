@@ -5,6 +5,7 @@ The server is a tiny local HTTP server started here that streams OpenAI-style SS
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -13,10 +14,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from loadtests.live.http_user import Sent, completion_body, split_latency, stream_completion
+from loadtests.live.http_user import (
+    Sent,
+    completion_body,
+    post_completion,
+    split_latency,
+    split_whole,
+    stream_completion,
+)
 from loadtests.live.openloop import OpenLoop
+from loadtests.live.runner import shift_tokens
+from loadtests.live.search import Probe, SearchError, check_range, goodput, next_rate
 from loadtests.live.target import TargetError, store_counters
-from loadtests.report.metrics import run_metrics
+from loadtests.report.metrics import meets, run_metrics
 from loadtests.report.records import ClassTarget, RequestRecord, RunResult
 
 pytestmark = pytest.mark.unit
@@ -48,6 +58,22 @@ class SlowHandler(BaseHTTPRequestHandler):
             self.send_header("Retry-After", "1")
             self.end_headers()
             self.wfile.write(msg)
+            return
+        if body.get("stream") is False:  # a whole answer, the split in its body
+            time.sleep(FIRST_TOKEN_DELAY_S + TOKEN_GAP_S * body["max_tokens"])
+            whole = {
+                "choices": [{"index": 0, "text": "t", "token_ids": [5] * body["max_tokens"]}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": body["max_tokens"]},
+                "strata_timings": {**TIMINGS_MS, "decode_ms": 60.0},
+            }
+            if body["prompt"][0] == 1:  # the test's marker for "another server": no split
+                del whole["strata_timings"]
+            data = json.dumps(whole).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -278,3 +304,87 @@ def test_store_counters_sum_bytes_and_evictions_from_prometheus_text() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_non_streamed_requests_record_the_split_from_the_body(slow_server: str) -> None:
+    http = httpx.Client()
+    t0 = time.perf_counter()
+
+    def now() -> float:
+        return time.perf_counter() - t0
+
+    body = completion_body("m", [7, 8, 9], 4, stream=False)
+    assert body["stream"] is False and "stream_options" not in body
+    rec = post_completion(http, slow_server, body, Sent("r", "c", 0.0, 0.0, 3, 4), now)
+    assert rec.status == "ok" and rec.output_tokens == 4
+    assert math.isnan(rec.first_token_s) and rec.e2e_s >= FIRST_TOKEN_DELAY_S
+    b = rec.breakdown
+    assert (b.queue_s, b.prefill_s, b.decode_queue_s, b.decode_s) == pytest.approx(
+        (0.1, 0.15, 0.01, 0.06)
+    )
+    assert b.pull_s == pytest.approx(0.005 + 0.015 + 0.005)
+    parts = b.queue_s + b.prefill_s + b.pull_s + b.decode_queue_s + b.decode_s + b.other_s
+    assert parts == pytest.approx(rec.e2e_s) and b.other_s > 0
+    # another server: no split in the body, the whole time is "other"
+    other = post_completion(
+        http,
+        slow_server,
+        completion_body("m", [1, 8, 9], 4, stream=False),
+        Sent("r", "c", 0.0, 0.0, 3, 4),
+        now,
+    )
+    assert other.status == "ok" and other.breakdown.other_s == pytest.approx(other.e2e_s)
+    refused = post_completion(
+        http,
+        slow_server,
+        completion_body("m", [0, 1], 4, stream=False),
+        Sent("r", "c", 0.0, 0.0, 2, 4),
+        now,
+    )
+    assert refused.status == "refused" and refused.http_status == 429
+    http.close()
+    # judged on end to end against both budgets; no TTFT or TPOT in the metrics
+    assert meets(rec, 1.0, 0.1) and not meets(rec, 0.1, 0.01)
+    run = RunResult("x", "live", "w", 1.0, 1.0, (ClassTarget("c", 1.0, 0.1),), (rec,))
+    m = run_metrics(run).overall
+    assert m.ok == 1 and math.isnan(m.ttft.p50) and m.e2e.p50 == pytest.approx(rec.e2e_s)
+    assert m.attainment == 1.0
+
+
+def test_split_whole_clips_a_report_longer_than_the_request() -> None:
+    b = split_whole({"prefill_compute_ms": 500.0, "decode_queue_ms": 100.0}, 0.2)
+    assert (b.prefill_s, b.decode_queue_s, b.decode_s, b.other_s) == pytest.approx((0.2, 0, 0, 0))
+
+
+def _probes(limit: float, low: float, high: float, steps: int, invalid: float = -1.0):
+    done: list[Probe] = []
+    while (rate := next_rate(low, high, steps, done)) is not None:
+        done.append(Probe(rate, 1.0 if rate <= limit else 0.5, rate != invalid))
+    return done
+
+
+def test_goodput_search_bisects_between_the_bounds_in_a_fixed_count_of_steps() -> None:
+    done = _probes(3.0, 0.5, 8.0, 5)
+    assert [p.rate for p in done] == pytest.approx([0.5, 8.0, 4.25, 2.375, 3.3125])
+    assert goodput(done) == pytest.approx(2.375)
+    # the low bound misses: one step, goodput 0; the high bound meets: two steps, goodput high
+    assert [p.rate for p in _probes(0.1, 0.5, 8.0, 5)] == [0.5] and goodput(
+        _probes(0.1, 0.5, 8.0, 5)
+    ) == 0
+    assert [p.rate for p in _probes(9.0, 0.5, 8.0, 5)] == [0.5, 8.0]
+    # a run whose client fell behind cannot vouch for its rate: it counts as missing
+    done = _probes(3.0, 0.5, 8.0, 4, invalid=2.375)
+    assert goodput(done) == 0.5 and not done[-1].passed()
+    for bad in ((0.0, 8.0, 5), (8.0, 0.5, 5), (0.5, 8.0, 1)):
+        with pytest.raises(SearchError):
+            check_range(*bad)
+
+
+def test_fresh_prefixes_shift_ids_as_a_bijection() -> None:
+    ids = [3, 4, 511, 100, 0]
+    shifted = shift_tokens(ids, 100, 3, 512)
+    assert shifted[4] == 0 and all(3 <= t < 512 for t in shifted[:4])
+    assert shifted[:4] != ids[:4] and len(set(shifted[:4])) == 4
+    assert shift_tokens(ids, 509, 3, 512) == ids  # a full turn
+    back = shift_tokens(shifted, 509 - 100, 3, 512)
+    assert back == ids

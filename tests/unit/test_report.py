@@ -13,6 +13,7 @@ from loadtests.report.compare import main as report_main
 from loadtests.report.files import ReportError
 from loadtests.report.metrics import goodput_rate, jain, percentile
 from loadtests.report.records import Breakdown, ClassTarget, RequestRecord, RunResult, Sample
+from loadtests.sim.validate import agreement, load_terms, validation_table, verdict
 
 pytestmark = pytest.mark.unit
 
@@ -144,3 +145,35 @@ def test_not_a_report_is_a_clear_error(tmp_path: Path) -> None:
     p.write_text("{")
     with pytest.raises(ReportError, match="not JSON"):
         load_runs(p)
+
+
+def test_validation_table_marks_each_point_and_counts_them(tmp_path: Path) -> None:
+    live = [
+        run([rec(i, "fast", 0.1, 0.02) for i in range(10)], 1.0, "live @ 1/s"),
+        run([rec(i, "fast", 0.2, 0.02, lag=0.5) for i in range(10)], 2.0, "live @ 2/s"),
+    ]
+    sim = [
+        run([rec(i, "fast", 0.12, 0.03) for i in range(10)], 1.0, "sim @ 1/s"),  # +20%, +50%
+        run([rec(i, "fast", 0.1, 0.02) for i in range(10)], 2.0, "sim @ 2/s"),  # -50%, 0%
+    ]
+    points = agreement(live, sim)
+    assert [(r, m, ok) for r, m, _, _, ok in points] == [
+        (1.0, "TTFT p50", True),
+        (1.0, "TPOT p50", False),
+        (2.0, "TTFT p50", False),
+        (2.0, "TPOT p50", True),
+    ]
+    assert verdict(live, sim) == (2, 4)
+    table = validation_table(live, sim)
+    assert table.count("| yes |") == 2 and table.count("| NO |") == 2
+    assert "2 (live INVALID: client behind)" in table  # the lagging live run is marked
+    assert "1 (live INVALID" not in table
+    good = tmp_path / "calibration.json"
+    good.write_text(json.dumps({"terms": {"handoff_s": 0.04, "decode_contention": 1.5}}))
+    assert load_terms(good) == {"handoff_s": 0.04, "decode_contention": 1.5}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"terms": {"warp_factor": 9}}))
+    with pytest.raises(ValueError, match="unknown terms"):
+        load_terms(bad)
+    with pytest.raises(ValueError, match="not a calibration"):
+        load_terms(tmp_path / "missing.json")
