@@ -37,6 +37,7 @@ from client.page import PageHeader
 from client.placement import HotPages, plan, rank
 from client.scope import Scope
 from client.store_client import StoreClient
+from client.tls import TlsOptions, resolve_tls
 from client.types import (
     GetResult,
     IoClass,
@@ -82,7 +83,8 @@ class ClusterClient:
     """Blocking client of a Strata cluster. Thread-safe. Use as a context manager.
 
     `token`: the principal's bearer token every node's client sends (None: $STRATA_STORE_TOKEN;
-    see `StoreClient`)."""
+    see `StoreClient`). `tls`: every node's TLS options (see `StoreClient`; None: the
+    STRATA_STORE_TLS_* environment)."""
 
     def __init__(
         self,
@@ -100,6 +102,7 @@ class ClusterClient:
         watch_idle_s: float = 1.0,
         max_workers: int = 16,
         token: str | None = None,
+        tls: TlsOptions | bool | None = None,
     ) -> None:
         if (etcd_endpoints is None) == (addresses is None):
             raise InvalidArgument("ClusterClient takes exactly one of etcd_endpoints or addresses")
@@ -110,6 +113,7 @@ class ClusterClient:
         self.hot_extra = hot_extra
         self._shared_memory = shared_memory
         self._token = resolve_token(token)  # each node's StoreClient sends it
+        self._tls = resolve_tls(tls) or False  # resolved once: every node alike
         self._timeout_s = timeout_s
         self._down_s = down_s
         self._lock = threading.Lock()
@@ -175,6 +179,7 @@ class ClusterClient:
                     timeout_s=self._timeout_s,
                     retries=1,
                     token=self._token,
+                    tls=self._tls,
                 ),
             )
             self._clients[node_id] = client

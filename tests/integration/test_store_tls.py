@@ -17,9 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, RunningDaemon, buffers, chain, keys_of, make_scope
+from conftest import (
+    DaemonFactory,
+    RunningDaemon,
+    assert_intact,
+    buffers,
+    chain,
+    keys_of,
+    make_scope,
+)
 
-from client import StoreClient
+from client import ClusterClient, StoreClient
 from client.errors import InvalidArgument, Unavailable
 from client.tls import ENV_CA, TlsOptions
 from client.ucx_protocol import (
@@ -234,6 +242,25 @@ def test_a_tls_client_never_uses_unencrypted_paths(
     from_env.connect()
     assert from_env.transport == "tcp"
     _round_trip(from_env, "env")
+
+
+def test_a_cluster_client_speaks_tls_to_every_node(daemon_factory: DaemonFactory, pki: Pki) -> None:
+    nodes = [daemon_factory(ssd=None, settings=_tls_settings(pki)) for _ in range(2)]
+    tls = TlsOptions(ca_file=str(pki.ca))
+    scope = make_scope("cluster")
+    pages = chain(scope, 4, seed=8)
+    addresses = [n.address for n in nodes]
+    with ClusterClient(addresses=addresses, replicas=2, shared_memory=False, tls=tls) as cluster:
+        assert cluster.put(scope, pages).stored == 4
+        assert cluster.lookup(scope, keys_of(pages)).hit_count == 4
+    for node in nodes:  # both replicas hold every page, written over TLS TCP
+        assert _tcp_bytes(node) == 4 * len(pages[0].payload)
+        assert_intact(_client(node, tls), scope, pages)
+    with (
+        ClusterClient(addresses=addresses, tls=False, timeout_s=2.0) as plain,
+        pytest.raises(Unavailable),
+    ):
+        plain.put(scope, pages)
 
 
 def test_tls_config_is_checked(tmp_path: Path, pki: Pki) -> None:
