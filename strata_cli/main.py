@@ -33,7 +33,7 @@ commands:
   profile            measure a model on this machine, fit the router's time model (--model PATH [--store ADDR] [--quick])
   loadtest WORKLOAD  open-loop load test of an OpenAI API (--url URL | --up) [--rates a,b] [--out DIR]
   simulate WORKLOAD  the cluster simulator (--cluster CLUSTER.toml --out DIR [--policies a,b])
-  plan WORKLOAD      best prefill:decode split for N GPUs, by simulation (--gpus N)
+  plan WORKLOAD      best prefill:decode split for N GPUs, by simulation (--gpus N | --admission RATE)
   report A.json ...  reports side by side [--out DIR]
 
 `strata <command> --help` shows each command's options.
