@@ -15,9 +15,9 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -363,63 +363,46 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return ((AUTHORIZATION, f"Bearer {token}"),) if token else None
 
 
-class _CallDetails(NamedTuple):
-    method: str
-    timeout: float | None
-    metadata: Any
-    credentials: Any
-    wait_for_ready: bool | None
-    compression: Any
+class _TokenMethod:
+    """One method of a generated stub, sending the token metadata on every call."""
+
+    __slots__ = ("_metadata", "_method")
+
+    def __init__(self, method: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._method = method
+        self._metadata = metadata
+
+    def __call__(self, request: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self._method(request, timeout=timeout, metadata=self._metadata, **kwargs)
+
+    def future(self, request: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self._method.future(request, timeout=timeout, metadata=self._metadata, **kwargs)
+
+    def with_call(self, request: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self._method.with_call(request, timeout=timeout, metadata=self._metadata, **kwargs)
 
 
-class BearerToken(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Adds `authorization: Bearer <token>` to every call of a (blocking) channel."""
+class TokenStub:
+    """A generated Store stub (blocking or asyncio) whose every method sends `authorization:
+    Bearer <token>`. (Binding the metadata per call costs about a microsecond; a channel
+    interceptor doing the same measured about 30 µs a call.)"""
 
-    def __init__(self, token: str) -> None:
-        self._pair = (AUTHORIZATION, f"Bearer {token}")
-
-    def _details(self, details: Any) -> _CallDetails:
-        metadata = (*(details.metadata or ()), self._pair)
-        return _CallDetails(
-            details.method,
-            details.timeout,
-            metadata,
-            details.credentials,
-            details.wait_for_ready,
-            getattr(details, "compression", None),
-        )
-
-    def intercept_unary_unary(
-        self, continuation: Callable[..., Any], details: Any, request: Any
-    ) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_unary_stream(
-        self, continuation: Callable[..., Any], details: Any, request: Any
-    ) -> Any:
-        return continuation(self._details(details), request)
-
-    def intercept_stream_unary(
-        self, continuation: Callable[..., Any], details: Any, request_iterator: Any
-    ) -> Any:
-        return continuation(self._details(details), request_iterator)
-
-    def intercept_stream_stream(
-        self, continuation: Callable[..., Any], details: Any, request_iterator: Any
-    ) -> Any:
-        return continuation(self._details(details), request_iterator)
+    def __init__(self, stub: object, metadata: tuple[tuple[str, str], ...]) -> None:
+        for name in STORE_METHODS:
+            setattr(self, name, _TokenMethod(getattr(stub, name), metadata))
 
 
-def with_token(channel: grpc.Channel, token: str | None) -> grpc.Channel:
-    """`channel`, sending `token` on every call (unchanged when there is none)."""
-    if not token:
-        return channel
-    return grpc.intercept_channel(channel, BearerToken(token))
+STORE_METHODS = tuple(m.name for m in pb.DESCRIPTOR.services_by_name["Store"].methods)
+_S = TypeVar("_S")
+
+
+def with_token(stub: _S, token: str | None) -> _S:
+    """`stub`, sending `token` on every call (unchanged when there is none). Raw calls made on
+    the channel itself (the hand-encoded Put and Get) pass `auth_metadata(token)` themselves."""
+    metadata = auth_metadata(token)
+    if metadata is None:
+        return stub
+    return cast(_S, TokenStub(stub, metadata))
 
 
 # ---- channel options, deadlines and retries ----------------------------------------------

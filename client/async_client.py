@@ -48,7 +48,6 @@ from client._wire import (
     scope_bytes,
     stats_from_proto,
     tune_malloc,
-    with_token,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
 from client.page import PageHeader
@@ -336,9 +335,8 @@ class AsyncStoreClient:
         # status, while the blocking stub returns the daemon's status. Messages are built by hand
         # (one copy of each payload), so the call sends them as is.
         if self._put_channel is None:
-            self._put_channel = with_token(
-                open_channel(self.address, channel_options(self._max_message_bytes), self._tls),
-                self._token,
+            self._put_channel = open_channel(
+                self.address, channel_options(self._max_message_bytes), self._tls
             )
         put = self._put_channel.stream_unary(
             PUT_METHOD,
@@ -356,7 +354,7 @@ class AsyncStoreClient:
                 chunk_bytes=chunk,
                 chain_prefix=chain_prefix,
             )
-            reply = await asyncio.to_thread(put, requests, timeout=timeout)
+            reply = await asyncio.to_thread(put, requests, timeout=timeout, metadata=self._metadata)
             if not isinstance(reply, pb.PutResponse):
                 raise malformed(f"Put answered {type(reply).__name__}")
             return reply

@@ -36,6 +36,7 @@ from client._wire import (
     Deadline,
     GetAssembler,
     RetryPolicy,
+    auth_metadata,
     batch_ranges,
     channel_options,
     check_node,
@@ -175,6 +176,7 @@ class StoreClient:
         self._max_message_bytes = max_message_bytes
         self._tls = resolve_tls(tls)
         self._token = resolve_token(token)
+        self._metadata = auth_metadata(self._token)  # for the raw Put and Get calls
         self._ucx = UcxLink(ucx, address, tcp, self._tls, self._token)
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -426,7 +428,7 @@ class StoreClient:
                 chunk_bytes=chunk,
                 chain_prefix=chain_prefix,
             )
-            reply = put(requests, timeout=timeout)
+            reply = put(requests, timeout=timeout, metadata=self._metadata)
             if not isinstance(reply, pb.PutResponse):
                 raise malformed(f"Put answered {type(reply).__name__}")
             return reply
@@ -555,7 +557,7 @@ class StoreClient:
 
         def attempt(timeout: float) -> GetAssembler:
             assembler = GetAssembler(scope, keys, views, verify=verify)
-            call = get(request, timeout=timeout)
+            call = get(request, timeout=timeout, metadata=self._metadata)
             try:
                 for raw in call:
                     assembler.feed_message(raw)
@@ -678,12 +680,9 @@ class StoreClient:
         return conn
 
     def _open(self) -> _Connection:
-        channel = with_token(
-            open_channel(self.address, channel_options(self._max_message_bytes), self._tls),
-            self._token,
-        )
+        channel = open_channel(self.address, channel_options(self._max_message_bytes), self._tls)
         try:
-            stub = StoreStub(channel)
+            stub = with_token(StoreStub(channel), self._token)
             node = node_info_from_proto(
                 self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
             )

@@ -12,7 +12,7 @@ import asyncio
 import queue
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -145,7 +145,7 @@ def test_another_tenants_reads_writes_and_deletes_are_refused(
     b = _client(daemon, "engine-b")
     auditor = _client(daemon, "auditor")
     into = [bytearray(A.page_payload_bytes) for _ in keys]
-    refused = [
+    refused: list[Callable[[], object]] = [
         lambda: b.lookup(A, keys),
         lambda: b.get(A, keys, into),
         lambda: b.put(A, chain(A, 6, seed=9)),
@@ -422,6 +422,7 @@ def test_engines_and_the_router_pass_their_token(
 ) -> None:
     monkeypatch.delenv("STRATA_STORE_TOKEN", raising=False)
     spec = parse_store(daemon.address)
+    assert spec is not None
     tokens = [t for p in chain(A, 5) for t in p.header.tokens]
     lookups = {
         who: StoreLookup(spec, timeout_s=5.0, token=TOKENS[who] if who else None)

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client._wire import auth_metadata, error_from_status, resolve_token
+from client._wire import STORE_METHODS, auth_metadata, error_from_status, resolve_token, with_token
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from client.scope import KVLayout, Scope
 from kvstore.auth import (
@@ -229,3 +229,37 @@ def test_the_sdk_token(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auth_status_codes_map_to_typed_errors() -> None:
     assert isinstance(error_from_status(grpc.StatusCode.UNAUTHENTICATED, "x"), Unauthenticated)
     assert isinstance(error_from_status(grpc.StatusCode.PERMISSION_DENIED, "x"), PermissionDenied)
+
+
+def test_a_token_stub_sends_the_metadata_on_every_method() -> None:
+    seen: list[tuple[str, str, object]] = []
+
+    class Method:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, request: object, **kwargs: object) -> str:
+            seen.append((self.name, "call", kwargs["metadata"]))
+            return "reply"
+
+        def future(self, request: object, **kwargs: object) -> str:
+            seen.append((self.name, "future", kwargs["metadata"]))
+            return "future"
+
+    class Stub:
+        def __getattr__(self, name: str) -> Method:
+            return Method(name)
+
+    stub = Stub()
+    assert with_token(stub, None) is stub
+    wrapped = with_token(stub, "abc")
+    assert wrapped.Lookup("req", timeout=1.0) == "reply"
+    assert wrapped.Release.future("req", timeout=1.0) == "future"
+    assert wrapped.Watch("req") == "reply"
+    bearer = (("authorization", "Bearer abc"),)
+    assert seen == [
+        ("Lookup", "call", bearer),
+        ("Release", "future", bearer),
+        ("Watch", "call", bearer),
+    ]
+    assert set(STORE_METHODS) >= {"NodeInfo", "Lookup", "Put", "Get", "Release", "Watch", "Delete"}
