@@ -313,13 +313,13 @@ def test_at_2x_overload_predicted_load_refuses_fewer_at_the_margin_each_mode_nee
     c = load_cluster(ROOT / "loadtests" / "clusters" / "opt13b_2p1d_admission.toml")
     spec = load_workload(ROOT / "loadtests" / "workloads" / "opt13b_long_prompt.toml")
     pred_default, pred, cur_default, cur = compare_admission(
-        spec, c, TimeModel.load(c.time_model), rate=14.4, duration_s=20.0
+        spec, c, TimeModel.load(c.time_model), rate=14.4, duration_s=30.0
     )
     assert (pred_default.mode, cur_default.mode) == ("predicted", "current")
     assert pred_default.tpot_margin == cur_default.tpot_margin == 0.05
     # at the same margin, current-load admits into batches it cannot see and breaks TPOT
-    assert pred_default.admitted_meeting >= 0.95 and cur_default.admitted_meeting < 0.92
-    assert pred_default.goodput_rps > 1.05 * cur_default.goodput_rps
+    assert pred_default.admitted_meeting >= 0.95 and not cur_default.holds
+    assert pred_default.goodput_rps > 1.1 * cur_default.goodput_rps
     # each at the smallest margin that keeps >= 90% of its admitted within both targets
     assert pred.holds and cur.holds and pred.tpot_margin < cur.tpot_margin
     assert pred.refused < cur.refused and pred_default.refused < cur.refused
