@@ -300,7 +300,11 @@ def _print_admission(points: Sequence[AdmissionPoint], rate: float) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="strata plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="strata plan",
+        description="In the simulator: the deployments of N GPUs ranked by goodput per GPU "
+        "(--gpus), or the admission modes compared at one rate (--admission).",
+    )
     ap.add_argument("workload")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to plan a deployment for")
     ap.add_argument(
