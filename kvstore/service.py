@@ -242,10 +242,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 leases = self.store.leases
                 self._lease_owners = {k: v for k, v in owners.items() if k in leases}
 
-    def _check_holder(self, principal: Principal, lease_id: int, *, done: bool) -> None:
+    def _check_holder(self, principal: Principal, lease_id: int) -> None:
         """PermissionDenied when another principal holds `lease_id`, or when it is a live lease
         no caller holds (one the daemon took for itself: a streamed put's, a data path's);
-        operators may act on any. `done`: the call ends the lease, forget its holder."""
+        operators may act on any."""
         if self.auth.open:
             return
         with self._owners_lock:
@@ -256,7 +256,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 raise PermissionDenied(
                     f"principal {principal.name!r} does not hold lease {lease_id}"
                 )
-            if done:
+
+    def _forget_if_ended(self, lease_id: int) -> None:
+        """After a Commit or Release: forget the holder of a lease that is over."""
+        if not self.auth.open and lease_id not in self.store.leases:
+            with self._owners_lock:
                 self._lease_owners.pop(lease_id, None)
 
     def _keys(self, packed: bytes) -> list[bytes]:
@@ -496,8 +500,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Commit(
         self, request: store_pb2.CommitRequest, context: grpc.ServicerContext
     ) -> store_pb2.CommitResponse:
-        self._check_holder(self.principal(context), request.lease_id, done=True)
-        return store_pb2.CommitResponse(stored=self.store.commit(request.lease_id))
+        self._check_holder(self.principal(context), request.lease_id)
+        try:
+            return store_pb2.CommitResponse(stored=self.store.commit(request.lease_id))
+        finally:
+            self._forget_if_ended(request.lease_id)
 
     @unary
     def Acquire(
@@ -536,14 +543,17 @@ class StoreService(store_pb2_grpc.StoreServicer):
     def Release(
         self, request: store_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReleaseResponse:
-        self._check_holder(self.principal(context), request.lease_id, done=True)
-        return store_pb2.ReleaseResponse(released=self.store.release(request.lease_id))
+        self._check_holder(self.principal(context), request.lease_id)
+        try:
+            return store_pb2.ReleaseResponse(released=self.store.release(request.lease_id))
+        finally:
+            self._forget_if_ended(request.lease_id)
 
     @unary
     def Renew(
         self, request: store_pb2.RenewRequest, context: grpc.ServicerContext
     ) -> store_pb2.RenewResponse:
-        self._check_holder(self.principal(context), request.lease_id, done=False)
+        self._check_holder(self.principal(context), request.lease_id)
         return store_pb2.RenewResponse(
             lease_expires_unix_ms=self.store.renew(request.lease_id, request.lease_ms)
         )
