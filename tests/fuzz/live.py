@@ -22,6 +22,7 @@ from fuzz.rpc_calls import SERVICE, Watcher, audit, healthy
 from fuzz.rpc_strategies import FUZZ_SCOPE, OTHER_SCOPE, World
 
 from client import KVLayout, Scope, StoreClient, build_pages
+from kvstore.auth import hash_token
 from kvstore_pb import store_pb2 as pb
 from loadtests.daemon import DaemonProcess
 
@@ -39,6 +40,28 @@ max_message_bytes = 327680
 lease_ttl_ms = 2000
 max_reserve_lease_ms = 2000
 """
+# With auth on: the fuzzer's principal holds namespace "fuzz" (and may delete there), the
+# legitimate tenant "legit", the operator (the audit's reader) everything.
+TOKENS = {
+    "fuzzer": "fuzz-token-0123456789abcdef",
+    "legit": "legit-token-0123456789abcdef",
+    "ops": "ops-token-0123456789abcdef",
+}
+TOKENS_TOML = "".join(
+    f'[[principal]]\nname = "{name}"\ntoken_sha256 = "{hash_token(TOKENS[name])}"\n'
+    f"read = {rights}\nwrite = {rights}\ndelete = true\noperator = {str(name == 'ops').lower()}\n"
+    "trusted_local = true\n\n"  # the fuzzer too: it reaches Reserve and Acquire
+    for name, rights in (("fuzzer", '["fuzz"]'), ("legit", '["legit"]'), ("ops", '["*"]'))
+)
+
+
+def bearer(who: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying `who`'s token (None: no token; an unknown name: a wrong one)."""
+    if who is None:
+        return ()
+    return (("authorization", f"Bearer {TOKENS.get(who, who + '-not-a-token')}"),)
+
+
 LEGIT_SCOPE = Scope(
     model_id="legit/model",
     weights_revision="w",
@@ -58,10 +81,21 @@ def _pages(scope: Scope, count: int, seed: int) -> list:  # type: ignore[type-ar
 
 
 class LiveDaemon:
-    def __init__(self, folder: Path, *, dram: str = "32MiB", ssd: str = "64MiB") -> None:
+    """`auth`: the daemon checks principals (TOKENS); else it runs open on loopback."""
+
+    def __init__(
+        self, folder: Path, *, dram: str = "32MiB", ssd: str = "64MiB", auth: bool = True
+    ) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         config = folder / "fuzz.toml"
-        config.write_text(CONFIG)
+        text = CONFIG
+        self.auth = auth
+        if auth:
+            tokens = folder / "tokens.toml"
+            tokens.write_text(TOKENS_TOML)
+            tokens.chmod(0o600)
+            text += f'\n[auth]\ntokens_file = "{tokens}"\n'
+        config.write_text(text)
         self.process = DaemonProcess(
             folder / "data", dram=dram, ssd=ssd, extra=["--config", str(config)]
         )
@@ -75,13 +109,19 @@ class LiveDaemon:
     def address(self) -> str:
         return self.process.address
 
+    def metadata(self, who: str | None) -> tuple[tuple[str, str], ...]:
+        return bearer(who) if self.auth else ()
+
     def node_info(self) -> pb.NodeInfoResponse:
         assert self.channel is not None
-        raw = self.channel.unary_unary(SERVICE + "NodeInfo")(b"", timeout=10)
+        raw = self.channel.unary_unary(SERVICE + "NodeInfo")(
+            b"", timeout=10, metadata=self.metadata("ops") or None
+        )
         return pb.NodeInfoResponse.FromString(raw)
 
-    def _client(self, *, shared_memory: bool) -> StoreClient:
-        client = StoreClient(self.address, shared_memory=shared_memory)
+    def _client(self, who: str, *, shared_memory: bool) -> StoreClient:
+        token = TOKENS[who] if self.auth else None
+        client = StoreClient(self.address, shared_memory=shared_memory, token=token)
         client.connect()
         self._clients.append(client)
         return client
@@ -89,13 +129,15 @@ class LiveDaemon:
     def start(self) -> LiveDaemon:
         self.process.start()
         self.channel = grpc.insecure_channel(self.address)
-        self.watcher = Watcher(self.channel).start()
-        shm, rpc = self._client(shared_memory=True), self._client(shared_memory=False)
+        self.watcher = Watcher(self.channel, self.metadata("ops")).start()
+        shm = self._client("legit", shared_memory=True)
+        rpc = self._client("legit", shared_memory=False)
+        fuzzer = self._client("fuzzer", shared_memory=False)
         self.legit = _pages(LEGIT_SCOPE, 8, seed=1)
         assert shm.put(LEGIT_SCOPE, self.legit[:4]).stored == 4
         assert rpc.put(LEGIT_SCOPE, self.legit[4:]).stored == 4
         known = _pages(FUZZ_SCOPE, 6, seed=2)
-        assert rpc.put(FUZZ_SCOPE, known).stored == 6
+        assert fuzzer.put(FUZZ_SCOPE, known).stored == 6
         keys = [p.header.key for p in self.legit + known]
         assert self.watcher.wait_for(keys), "the event stream did not report the first puts"
         self.world = World(FUZZ_SCOPE, OTHER_SCOPE, tuple(p.header.key for p in known), MAX_KEYS)
@@ -107,9 +149,11 @@ class LiveDaemon:
             "the daemon died:\n" + "\n".join(self.process.output[-40:])
         )
         assert self.channel is not None and self.watcher is not None
-        assert healthy(self.channel, 10.0) is None
+        ops = self.metadata("ops")
+        assert healthy(self.channel, 10.0, ops) is None
         assert not self.watcher.error, self.watcher.error
-        report = audit(self.channel, self.watcher.live(), self.world.scopes)
+        scopes = {**self.world.scopes, LEGIT_SCOPE.digest: LEGIT_SCOPE}
+        report = audit(self.channel, self.watcher.live(), scopes, metadata=ops)
         assert not report.bad, report.bad[:10]
         assert report.served >= len(self.legit)
         print(f"audit: {report.served} pages served, all well-formed; {report.missing} misses")

@@ -275,15 +275,21 @@ def audit(
     metadata: Sequence[tuple[str, str]] | None = None,
 ) -> Audit:
     """Read back every key of `live` (key -> scope digest) with raw Gets and check each page
-    served (see `_page_problem`). A key not served is a miss (evicted, dropped as corrupt)."""
+    served (see `_page_problem`). A key not served is a miss (evicted, dropped as corrupt). A
+    page under a scope digest not in `scopes` is a finding: nothing the fuzzer can send should
+    make one (and with auth on a read must name its scope)."""
     report = Audit()
     by_scope: dict[bytes, list[bytes]] = {}
     for key, digest in live.items():
         by_scope.setdefault(digest, []).append(key)
     for digest, keys in by_scope.items():
+        scope = scopes.get(digest)
+        if scope is None:
+            report.bad.append(f"{len(keys)} page(s) stored under an unknown scope {digest.hex()}")
+            continue
         for start in range(0, len(keys), batch):
             part = keys[start : start + batch]
-            request = pb.GetRequest(scope_digest=digest, keys=b"".join(part))
+            request = pb.GetRequest(scope_digest=digest, scope=scope.encode(), keys=b"".join(part))
             outcome = send(
                 channel, Call("Get", (request.SerializeToString(),)), timeout_s, metadata
             )

@@ -42,6 +42,10 @@ FUZZ_SCOPE = Scope(
 OTHER_SCOPE = dataclasses.replace(
     FUZZ_SCOPE, layout=KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, page_tokens=16)
 )
+# A scope of a namespace the fuzzer's token does not hold (that of the legitimate tenant, but
+# not its scope: the fuzzer never learns that one). With auth on, every call naming it must be
+# refused; on an open daemon it is just another scope.
+FOREIGN_SCOPE = dataclasses.replace(FUZZ_SCOPE, namespace="legit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +54,14 @@ class World:
     other: Scope
     known_keys: tuple[bytes, ...]  # pages of `scope` stored before fuzzing (a chain)
     max_keys: int  # the daemon's limits.max_keys_per_call
+    foreign: Scope = FOREIGN_SCOPE
 
     def __repr__(self) -> str:  # hypothesis prints it with every failure: keep it short
         return f"World({self.scope.namespace!r}, {len(self.known_keys)} known keys)"
 
     @property
     def scopes(self) -> dict[bytes, Scope]:
-        return {self.scope.digest: self.scope, self.other.digest: self.other}
+        return {s.digest: s for s in (self.scope, self.other, self.foreign)}
 
 
 def payload_of(seed: int, size: int) -> bytes:
@@ -86,6 +91,7 @@ def digest(world: World) -> st.SearchStrategy[bytes]:
     return st.one_of(
         st.just(world.scope.digest),
         st.just(world.other.digest),
+        st.just(world.foreign.digest),
         st.binary(min_size=0, max_size=40),
         st.binary(min_size=KEY_BYTES, max_size=KEY_BYTES),
     )
@@ -111,6 +117,7 @@ def scope_bytes(world: World) -> st.SearchStrategy[bytes]:
     return st.one_of(
         st.just(good),
         st.just(world.other.encode()),
+        st.just(world.foreign.encode()),
         st.integers(0, len(good) - 1).map(lambda n: good[:n]),  # truncated
         st.tuples(st.integers(0, len(good) - 1), st.integers(1, 255)).map(
             lambda t: good[: t[0]] + bytes([good[t[0]] ^ t[1]]) + good[t[0] + 1 :]
@@ -162,7 +169,8 @@ PAYLOAD_EDITS = ("good", "good", "good", "flip", "short", "long", "empty")
 def page(draw: st.DrawFn, world: World, clean: bool = False) -> tuple[bytes, bytes]:
     """(raw header, payload) of one page, valid or not (`clean`: a valid page of the world's
     scope, following its scope digest or a known page)."""
-    scope = world.scope if clean else draw(st.sampled_from((world.scope,) * 3 + (world.other,)))
+    others = (world.other, world.foreign)
+    scope = world.scope if clean else draw(st.sampled_from((world.scope,) * 4 + others))
     n_tokens = scope.layout.page_tokens
     tokens = draw(
         st.one_of(

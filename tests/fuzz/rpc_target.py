@@ -169,7 +169,8 @@ class Live:
             live = {
                 e.key: e.scope_digest for e in (store.index.get(k) for k in store.index_keys()) if e
             }
-        report = audit(self.channel, live, self.world.scopes)
+        scopes = {**self.world.scopes, self.legit_scope.digest: self.legit_scope}
+        report = audit(self.channel, live, scopes)
         assert not report.bad, report.bad[:5]
         into = [bytearray(self.legit_scope.page_payload_bytes) for _ in self.legit]
         got = self.client.get(

@@ -21,6 +21,7 @@ from fuzz.live import LiveDaemon
 from fuzz.rpc_calls import KINDS, Call, Outcome, check, healthy, send
 from fuzz.rpc_strategies import calls
 from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +43,21 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveDaemon]:
         yield d
 
 
-def run(live: LiveDaemon, call: Call) -> Outcome:
+def run(live: LiveDaemon, call: Call, who: str | None = "fuzzer") -> Outcome:
     assert live.channel is not None
     timeout = WATCH_TIMEOUT_S if call.method == "Watch" else CALL_TIMEOUT_S
-    outcome = send(live.channel, call, timeout)
-    note(f"{call.describe()} -> {outcome.code.name} {outcome.details[:200]!r}")
+    outcome = send(live.channel, call, timeout, live.metadata(who))
+    note(f"{call.describe()} as {who} -> {outcome.code.name} {outcome.details[:200]!r}")
     assert check(call, outcome) is None, check(call, outcome)
-    assert healthy(live.channel, CALL_TIMEOUT_S) is None
+    if who != "fuzzer" and live.auth and outcome.code is not grpc.StatusCode.CANCELLED:
+        # no token, or a wrong one: refused before anything (bytes that do not even parse as
+        # the request are refused as such first: that tells nothing about the store)
+        malformed = outcome.details.startswith("malformed request message")
+        assert outcome.code is grpc.StatusCode.UNAUTHENTICATED or malformed, (
+            outcome.code,
+            outcome.details,
+        )
+    assert healthy(live.channel, CALL_TIMEOUT_S, live.metadata("ops")) is None
     return outcome
 
 
@@ -61,7 +70,7 @@ def test_request_bytes_that_do_not_parse_are_invalid_argument(
     assert live.channel is not None
     garbage = b"\xff\xff\xff\xff"
     call = Call(method, (garbage, garbage) if KINDS[method][0] else (garbage,))
-    outcome = send(live.channel, call, CALL_TIMEOUT_S)
+    outcome = send(live.channel, call, CALL_TIMEOUT_S, live.metadata("fuzzer"))
     assert outcome.code is grpc.StatusCode.INVALID_ARGUMENT, (outcome.code, outcome.details)
     assert "malformed" in outcome.details.lower()
 
@@ -72,12 +81,14 @@ def test_fuzzed_calls_of_every_method_leave_the_daemon_serving_and_its_pages_sou
     seen: Counter[tuple[str, str]] = Counter()
 
     @FUZZ
-    @given(calls(live.world))
-    def case(call: Call) -> None:
-        seen[call.method, run(live, call).code.name] += 1
+    @given(calls(live.world), st.sampled_from(("fuzzer",) * 8 + (None, "stranger")))
+    def case(call: Call, who: str | None) -> None:
+        seen[call.method, run(live, call, who).code.name] += 1
 
     case()
     print("fuzzed calls (method, answer): count", sorted(seen.items()))
     assert {method for method, _ in seen} == set(KINDS)  # every RPC was fuzzed
     assert seen["Put", "OK"] > 0 and seen["Put", "INVALID_ARGUMENT"] > 0
+    codes = Counter(code for (_, code), n in seen.items() for _ in range(n))
+    assert codes["PERMISSION_DENIED"] > 0 and codes["UNAUTHENTICATED"] > 0
     live.finish()
