@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from engine.router.core import DecodeCoeffs, PrefillCoeffs, PullCoeffs, TimeModel
-from loadtests.plan import compare_admission, goodput, plan
+from loadtests.margins import compare_admission
+from loadtests.plan import goodput, plan
 from loadtests.plan import main as plan_main
 from loadtests.report.metrics import run_metrics
 from loadtests.sim.cluster import ClusterError, ClusterSpec, load_cluster
