@@ -7,9 +7,9 @@ endpoint, on the process's bulk loop (client/ucx_runtime.py): `send(buffer)`, `r
 endpoint keeps messages in the order they were posted; so does this one: sends, and receives,
 complete one after another in the order they were started, however many are in flight.
 
-`TlsEndpoint` is the same three operations over a TLS connection (asyncio streams): the bytes are
-encrypted, so each send and receive costs a copy through the TLS layer. Both are `ByteStream`s:
-the framing arrives as a byte stream, not as messages.
+`TlsEndpoint` is the same three operations over a TLS connection on such a socket: the bytes
+are encrypted, so each send and receive passes through the TLS layer (memory buffers, then the
+caller's buffer). Both are `ByteStream`s: the framing arrives as a byte stream, not as messages.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from typing import Any
+from typing import Any, cast
 
 from client.errors import Unavailable
 
 _SOCKET_BUFFER_BYTES = 4 << 20  # a few 1 MiB pages in flight per direction
-_TLS_STEP_BYTES = 1 << 20  # a TLS send is copied into the TLS layer a step at a time
+_TLS_STEP_BYTES = 1 << 20  # TLS sends are encrypted, and receives read off the socket, in steps
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
 
 
@@ -102,6 +102,21 @@ class SocketEndpoint(ByteStream):
             finally:
                 self._done()
 
+    async def recv_some(self, into: Any) -> int:
+        """Receive what is there, up to the size of `into` (at least one byte, waiting for it);
+        0 when the peer closed the connection."""
+        view = memoryview(into).cast("B")
+        async with self._recv_lock:
+            self._busy += 1
+            try:
+                self._check()
+                return await self._loop.sock_recv_into(self._sock, view)
+            except OSError as exc:
+                self.abort()
+                raise EndpointClosed(f"TCP receive failed: {exc}") from None
+            finally:
+                self._done()
+
     def abort(self) -> None:
         """End the connection: operations in flight fail (the shutdown wakes them), later ones
         raise EndpointClosed. Idempotent."""
@@ -129,109 +144,128 @@ class SocketEndpoint(ByteStream):
 
 
 class TlsEndpoint(ByteStream):
-    """One TLS connection (asyncio streams), used from one event loop. `abort()` may come from
-    any thread. `peer_certificate`: the peer's certificate as `ssl` decodes it ({} if none)."""
+    """A TLS connection over a `SocketEndpoint`, on its event loop: the TLS state machine is an
+    `ssl.SSLObject` over memory buffers, so encrypted bytes go straight between the socket and
+    those buffers and each payload is decrypted straight into the caller's buffer (no stream
+    buffer in between). Sends, and receives, complete in the order they were started.
+    `abort()` may come from any thread. `peer_certificate`: the peer's certificate as `ssl`
+    decodes it ({} if none)."""
 
     def __init__(
         self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        loop: asyncio.AbstractEventLoop,
+        raw: SocketEndpoint,
+        tls: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
     ) -> None:
-        self._loop = loop
-        self._reader = reader
-        self._writer = writer
+        self._raw = raw
+        self._tls = tls
+        self._in = incoming
+        self._out = outgoing
         self._send_lock = asyncio.Lock()
         self._recv_lock = asyncio.Lock()
-        self._closed = False
-        cert = writer.get_extra_info("peercert")
-        self.peer_certificate: dict[str, Any] = cert if isinstance(cert, dict) else {}
+        self._buffer = bytearray(_TLS_STEP_BYTES)  # encrypted bytes as they come off the socket
+        self.peer_certificate: dict[str, Any] = {}
+
+    async def handshake(self, timeout_s: float) -> None:
+        """Run the TLS handshake (certificates checked as the context says); raises
+        ssl.SSLError, EndpointClosed or TimeoutError."""
+
+        async def shake() -> None:
+            while True:
+                try:
+                    self._tls.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await self._flush()
+                    await self._fill()
+            await self._flush()
+
+        await asyncio.wait_for(shake(), timeout_s)
+        cert = self._tls.getpeercert()
+        self.peer_certificate = cert if isinstance(cert, dict) else {}
 
     async def send(self, data: Any) -> None:
         view = memoryview(data).cast("B")
         async with self._send_lock:
             try:
-                for start in range(0, max(view.nbytes, 1), _TLS_STEP_BYTES):
-                    self._check()
-                    # a copy: the TLS layer may keep what it is given past this call
-                    self._writer.write(bytes(view[start : start + _TLS_STEP_BYTES]))
-                    await self._writer.drain()
-            except (OSError, ssl.SSLError) as exc:
+                for start in range(0, view.nbytes, _TLS_STEP_BYTES):
+                    self._tls.write(view[start : start + _TLS_STEP_BYTES])
+                    await self._flush()
+            except ssl.SSLError as exc:
                 self.abort()
                 raise EndpointClosed(f"TLS send failed: {exc}") from None
 
     async def recv(self, into: Any) -> None:
         view = memoryview(into).cast("B")
         async with self._recv_lock:
-            try:
-                got, size = 0, view.nbytes
-                while got < size:
-                    self._check()
-                    chunk = await self._reader.read(size - got)
-                    if not chunk:
-                        self.abort()
-                        raise EndpointClosed("the peer closed the TLS connection")
-                    view[got : got + len(chunk)] = chunk
-                    got += len(chunk)
-            except (OSError, ssl.SSLError) as exc:
-                self.abort()
-                raise EndpointClosed(f"TLS receive failed: {exc}") from None
+            got, size = 0, view.nbytes
+            while got < size:
+                try:
+                    # with a buffer, read() returns the count (typeshed says bytes)
+                    n = cast(int, self._tls.read(size - got, view[got:]))
+                except ssl.SSLWantReadError:
+                    if self._out.pending:  # the peer's TLS asked for an answer (a key update)
+                        await self._flush()
+                    await self._fill()
+                    continue
+                except ssl.SSLError as exc:  # close_notify, an alert, a bad record
+                    self.abort()
+                    raise EndpointClosed(f"TLS receive failed: {exc}") from None
+                if n == 0:
+                    self.abort()
+                    raise EndpointClosed("the peer closed the TLS connection")
+                got += n
 
     def abort(self) -> None:
         """End the connection at once (no TLS close alert). Idempotent, any thread."""
-        if self._closed:
-            return
-        self._closed = True
-        transport = self._writer.transport
-        if self._loop.is_running() and not _on_loop(self._loop):
-            self._loop.call_soon_threadsafe(transport.abort)
-        else:
-            transport.abort()
+        self._raw.abort()
 
-    def _check(self) -> None:
-        if self._closed:
-            raise EndpointClosed("the TLS connection is closed")
+    async def _flush(self) -> None:
+        """Send what the TLS layer has encrypted (in the order it did: the socket's own send
+        lock queues these in order)."""
+        data = self._out.read()
+        if data:
+            await self._raw.send(data)
 
-
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
+    async def _fill(self) -> None:
+        n = await self._raw.recv_some(self._buffer)
+        if n == 0:
+            self.abort()
+            raise EndpointClosed("the peer closed the TLS connection")
+        self._in.write(memoryview(self._buffer)[:n])
 
 
 async def accept_tls(sock: socket.socket, context: ssl.SSLContext) -> TlsEndpoint:
     """The server side of a TLS connection on the accepted socket `sock` (handshake done, the
-    client's certificate verified when `context` asks for one); raises OSError / ssl.SSLError /
-    TimeoutError when the handshake fails."""
-    loop = asyncio.get_running_loop()
-    tune_socket(sock)
-    reader = asyncio.StreamReader(limit=_TLS_STEP_BYTES)
-    protocol = asyncio.StreamReaderProtocol(reader)
-    transport, _ = await loop.connect_accepted_socket(
-        lambda: protocol, sock, ssl=context, ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S
-    )
-    return TlsEndpoint(reader, asyncio.StreamWriter(transport, protocol, reader, loop), loop)
+    client's certificate verified when `context` asks for one); raises ssl.SSLError,
+    EndpointClosed or TimeoutError when the handshake fails."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_side=True)
+    ep = TlsEndpoint(SocketEndpoint(sock, asyncio.get_running_loop()), tls, incoming, outgoing)
+    try:
+        await ep.handshake(TLS_HANDSHAKE_TIMEOUT_S)
+    except BaseException:
+        ep.abort()
+        raise
+    return ep
 
 
 async def connect_tls(
     host: str, port: int, context: ssl.SSLContext, server_name: str = ""
 ) -> TlsEndpoint:
     """Connect to host:port over TLS, checking the certificate against `server_name` (default
-    `host`); raises OSError / ssl.SSLError."""
-    reader, writer = await asyncio.open_connection(
-        host,
-        port,
-        ssl=context,
-        server_hostname=server_name or host,
-        ssl_handshake_timeout=TLS_HANDSHAKE_TIMEOUT_S,
-        limit=_TLS_STEP_BYTES,
-    )
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return TlsEndpoint(reader, writer, asyncio.get_running_loop())
+    `host`); raises OSError, ssl.SSLError, EndpointClosed or TimeoutError."""
+    raw = await connect_tcp(host, port)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname=server_name or host)
+    ep = TlsEndpoint(raw, tls, incoming, outgoing)
+    try:
+        await ep.handshake(TLS_HANDSHAKE_TIMEOUT_S)
+    except BaseException:
+        ep.abort()
+        raise
+    return ep
 
 
 async def connect_tcp(host: str, port: int) -> SocketEndpoint:

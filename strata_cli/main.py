@@ -18,6 +18,7 @@ commands:
   bench engine       engine TTFT with no cache vs a full DRAM / SSD hit; decode tokens/s
   bench keys         page-key hashing cost: BLAKE2b-128 (key schema 2) vs xxh3, per page
   bench auth         store calls with principals' tokens vs an open daemon (lookup, get)
+  bench tls          remote store get/put and first call over TLS vs plaintext (TCP, gRPC)
   bench isolation    critical gets under a background flood, DRAM gets with a slow disk, vs idle
   bench router       router added latency vs direct, decisions/s, TTFT by policy, prediction error
   drill              router operator drills: prefill pool down, half the decode pool down, 1% loss
@@ -48,13 +49,17 @@ def _serve(argv: Sequence[str]) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: strata bench store|cluster|engine|keys|auth|isolation|router [--help]")
+        print("usage: strata bench store|cluster|engine|keys|auth|tls|isolation|router [--help]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "auth":
         from loadtests.bench_auth import main as auth_main
 
         return auth_main(rest)
+    if what == "tls":
+        from loadtests.bench_tls import main as tls_main
+
+        return tls_main(rest)
     if what == "store":
         from loadtests.bench_store import main
 
@@ -80,7 +85,7 @@ def _bench(argv: Sequence[str]) -> int:
 
         return router_main(rest)
     print(
-        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, keys, auth, isolation, router)", file=sys.stderr
+        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, keys, auth, tls, isolation, router)", file=sys.stderr
     )
     return 2
 
