@@ -42,6 +42,7 @@ from client.types import (
     TierStats,
     WritableBuffer,
     build_pages,
+    page_tokens,
 )
 
 __all__ = [
@@ -89,5 +90,6 @@ __all__ = [
     "host_id",
     "make_header",
     "page_keys",
+    "page_tokens",
     "rank",
 ]

@@ -72,6 +72,8 @@ from client.types import (
     StoreStats,
     Tier,
     WritableBuffer,
+    checked_tokens,
+    match_tokens,
     tokens_le,
 )
 from kvstore_pb import store_pb2 as pb
@@ -257,12 +259,14 @@ class AsyncStoreClient:
         keys: Sequence[bytes],
         into: Sequence[WritableBuffer],
         *,
+        tokens: Sequence[Sequence[int]] | None,
         io_class: IoClass | None = None,
         verify: bool | None = None,
     ) -> GetResult:
         """Copy each present page's payload into `into[i]`. See `StoreClient.get`."""
         packed = packed_keys(keys)
         views = destination_views(scope, keys, into)
+        expected = checked_tokens(scope, keys, tokens)
         if not keys:
             return GetResult(headers=())
         conn = await self._ready()
@@ -283,7 +287,8 @@ class AsyncStoreClient:
                 headers.extend(await self._get_shm(*part))
             else:
                 headers.extend(await self._get_grpc(*part))
-        return GetResult(headers=tuple(headers))
+        matched, rejected = match_tokens(scope, headers, expected)
+        return GetResult(matched, rejected)
 
     async def delete(self, scope: Scope | None = None, keys: Sequence[bytes] | None = None) -> int:
         """Delete the pages `keys`, or every page of `scope` (exactly one); the count deleted."""

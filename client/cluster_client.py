@@ -49,6 +49,7 @@ from client.types import (
     Tier,
     WritableBuffer,
     chain_prefixes_for,
+    checked_tokens,
 )
 
 log = logging.getLogger(__name__)
@@ -274,14 +275,19 @@ class ClusterClient:
         keys: Sequence[bytes],
         into: Sequence[WritableBuffer],
         *,
+        tokens: Sequence[Sequence[int]] | None,
         io_class: IoClass | None = None,
         verify: bool | None = None,
     ) -> GetResult:
         """Copy each page into `into[i]`, asking its replicas in rank order. Read-only; a page
-        no live replica delivers is a miss (None). InvalidArgument for mismatched buffers."""
+        no live replica delivers is a miss (None); a replica's page whose token ids are not
+        `tokens[i]` is refused (see `StoreClient.get`) and the next replica asked.
+        InvalidArgument for mismatched buffers or tokens."""
         n = len(keys)
         if len(into) != n:
             raise InvalidArgument(f"{n} keys but {len(into)} buffers")
+        checked_tokens(scope, keys, tokens)
+        rejected = 0
         headers: list[PageHeader | bytes | None] = [None] * n
         live = self.live_nodes()
         if not n or not live:
@@ -299,13 +305,19 @@ class ClusterClient:
                 replies = self._fan(
                     {
                         node: _get_call(
-                            scope, [keys[i] for i in ix], [into[i] for i in ix], io_class, verify
+                            scope,
+                            [keys[i] for i in ix],
+                            [into[i] for i in ix],
+                            None if tokens is None else [tokens[i] for i in ix],
+                            io_class,
+                            verify,
                         )
                         for node, ix in groups.items()
                     }
                 )
                 for node, reply in replies.items():
                     if not isinstance(reply, StrataError):
+                        rejected += reply.rejected
                         for i, header in zip(groups[node], reply.entries, strict=True):
                             headers[i] = header
             pending = [i for i in pending if headers[i] is None]
@@ -315,7 +327,7 @@ class ClusterClient:
             for i, header in enumerate(headers):
                 if header is not None:
                     self._hot.record(keys[i], now)
-        return GetResult(headers=tuple(headers))
+        return GetResult(tuple(headers), rejected)
 
     def put(
         self,
@@ -452,10 +464,11 @@ def _get_call(
     scope: Scope,
     keys: list[bytes],
     into: list[WritableBuffer],
+    tokens: list[Sequence[int]] | None,
     io_class: IoClass | None,
     verify: bool | None,
 ) -> Callable[[StoreClient], GetResult]:
-    return lambda c: c.get(scope, keys, into, io_class=io_class, verify=verify)
+    return lambda c: c.get(scope, keys, into, tokens=tokens, io_class=io_class, verify=verify)
 
 
 def _put_call(

@@ -84,6 +84,8 @@ from client.types import (
     StoreStats,
     Tier,
     WritableBuffer,
+    checked_tokens,
+    match_tokens,
     tokens_le,
 )
 from client.ucx_protocol import TCP_SCHEME
@@ -319,18 +321,27 @@ class StoreClient:
         keys: Sequence[bytes],
         into: Sequence[WritableBuffer],
         *,
+        tokens: Sequence[Sequence[int]] | None,
         io_class: IoClass | None = None,
         verify: bool | None = None,
     ) -> GetResult:
         """Copy each present page's payload into `into[i]`; headers of the pages delivered.
 
+        `tokens[i]` are the token ids of page `keys[i]` (`page_tokens` splits a prompt): a page
+        is delivered only if its header holds exactly these ids, so a key collision, crafted or
+        not, is a miss (counted in `GetResult.rejected`), never another prompt's KV. `tokens`
+        must be passed; None is the explicit opt-out of a caller that checks what it is served
+        itself (a tool that reads pages by key, knowing no tokens) — never use it to serve KV.
+
         Read-only (leases are taken and released within the call); retried. `verify` None checks
         payload checksums on the gRPC path only (the daemon verifies what it reads from SSD).
         InvalidArgument (before any RPC) unless `into` has one writable, C-contiguous buffer of at
-        least a page per key. A miss leaves its buffer's contents unspecified.
+        least a page per key and `tokens` one full page of ids per key. A miss leaves its
+        buffer's contents unspecified.
         """
         packed = packed_keys(keys)
         views = destination_views(scope, keys, into)
+        expected = checked_tokens(scope, keys, tokens)
         if not keys:
             return GetResult(headers=())
         conn = self._ready()
@@ -353,7 +364,8 @@ class StoreClient:
                 headers.extend(self._get_ucx(ucx, *part))
             else:
                 headers.extend(self._get_grpc(*part))
-        return GetResult(headers=tuple(headers))
+        matched, rejected = match_tokens(scope, headers, expected)
+        return GetResult(matched, rejected)
 
     def delete(self, scope: Scope | None = None, keys: Sequence[bytes] | None = None) -> int:
         """Delete the pages `keys`, or every page of `scope` (exactly one of the two); returns

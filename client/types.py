@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from client.errors import InvalidArgument
-from client.page import Buffer, PageHeader, make_header
+from client.page import HEADER_FIXED_BYTES, Buffer, PageHeader, make_header
 from client.scope import Scope, chain_key, pack_tokens
 
 WritableBuffer = bytearray | memoryview
@@ -145,15 +145,18 @@ class GetResult:
     or None for a miss (absent, or dropped by verification).
 
     Built from `PageHeader`s or from header bytes the client has already checked byte for byte
-    (header checksum, key, scope, size): those are decoded on the first read of `headers`, so a
-    caller that needs only the hit counts never pays for building header objects.
+    (header checksum, key, scope, size, and the caller's token ids): those are decoded on the
+    first read of `headers`, so a caller that needs only the hit counts never pays for building
+    header objects. `rejected` counts pages the store served that were not the ones asked for
+    (their token ids differ from the caller's: a key collision, crafted or not): misses here.
     """
 
-    __slots__ = ("_decoded", "_items")
+    __slots__ = ("_decoded", "_items", "rejected")
 
-    def __init__(self, headers: Sequence[PageHeader | bytes | None]) -> None:
+    def __init__(self, headers: Sequence[PageHeader | bytes | None], rejected: int = 0) -> None:
         self._items = tuple(headers)
         self._decoded: tuple[PageHeader | None, ...] | None = None
+        self.rejected = rejected
 
     @property
     def headers(self) -> tuple[PageHeader | None, ...]:
@@ -311,3 +314,65 @@ def chain_prefixes_for(
                 out.append(prefix)
         start = end
     return out
+
+
+def page_tokens(scope: Scope, token_ids: Sequence[int], first_page: int = 0) -> list[Sequence[int]]:
+    """The token ids of each full page of `token_ids` from `first_page` on: what a get takes as
+    `tokens` for the keys `page_keys(scope, token_ids)[first_page:]`. Pure."""
+    page = scope.layout.page_tokens
+    full = len(token_ids) // page
+    return [token_ids[i * page : (i + 1) * page] for i in range(first_page, full)]
+
+
+def checked_tokens(
+    scope: Scope, keys: Sequence[bytes], tokens: Sequence[Sequence[int]] | None
+) -> list[bytes] | None:
+    """Each key's expected token ids as little-endian uint32 (what page headers hold), checked
+    before any RPC: InvalidArgument unless `tokens` has one full page of ids per key. None (the
+    caller's explicit opt-out) stays None."""
+    if tokens is None:
+        return None
+    if len(tokens) != len(keys):
+        raise InvalidArgument(f"a get of {len(keys)} keys needs {len(keys)} token lists, got {len(tokens)}")
+    page = scope.layout.page_tokens
+    out = []
+    for i, ids in enumerate(tokens):
+        if len(ids) != page:
+            raise InvalidArgument(f"tokens[{i}] has {len(ids)} ids; a page of this scope has {page}")
+        out.append(pack_tokens(ids))
+    return out
+
+
+def match_tokens(
+    scope: Scope, headers: Sequence[PageHeader | bytes | None], expected: Sequence[bytes] | None
+) -> tuple[Sequence[PageHeader | bytes | None], int]:
+    """`headers` with every page whose token ids are not `expected[i]` (see `checked_tokens`)
+    turned into a miss, and how many were. The check every SDK read makes (DESIGN §3: a hash is
+    not proof): a page served for a key is used only if it holds exactly the caller's tokens
+    (and, for a header the client decoded in full, the scope's dtype, layout and page size;
+    header bytes passed `quick_check`, which covers those). Header bytes are compared in place:
+    their token ids sit at a fixed offset. `expected` None: `headers` as they are. Pure."""
+    if expected is None:
+        return headers, 0
+    out: list[PageHeader | bytes | None] = []
+    rejected = 0
+    for header, want in zip(headers, expected, strict=True):
+        if header is None:
+            out.append(None)
+            continue
+        if isinstance(header, PageHeader):
+            ok = (
+                len(header.tokens) * 4 == len(want)
+                and header.encode()[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + len(want)] == want
+                and header.dtype == scope.kv_dtype
+                and header.layout == scope.layout
+                and header.payload_bytes == scope.page_payload_bytes
+            )
+        else:
+            ok = header[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + len(want)] == want
+        if ok:
+            out.append(header)
+        else:
+            out.append(None)
+            rejected += 1
+    return out, rejected

@@ -25,12 +25,12 @@ from client import (
     IoClass,
     LookupResult,
     Page,
-    PageHeader,
     PutResult,
     Scope,
     Tier,
     Unavailable,
     WritableBuffer,
+    page_tokens,
 )
 from engine.kv_pool import PagedKVPool
 from engine.publisher import Publisher, PublishJob, PublishTicket
@@ -52,6 +52,7 @@ class PageStore(Protocol):
         keys: Sequence[bytes],
         into: Sequence[WritableBuffer],
         *,
+        tokens: Sequence[Sequence[int]] | None,
         io_class: IoClass | None = None,
         verify: bool | None = None,
     ) -> GetResult: ...
@@ -194,20 +195,14 @@ class StoreLink:
             return _Got(PullResult(lookup_s=looked - start), (), 0)
         into = buffers(count)
         try:
-            got = store.get(scope, keys[:count], into, io_class=io_class, verify=True)
-            headers: Sequence[PageHeader | None] = got.headers
+            # the SDK delivers a page only if it is the one asked for: key, scope, KV format and
+            # exactly these tokens (a collision is a miss, counted in `rejected`)
+            tokens = page_tokens(scope, token_ids)[:count]
+            got = store.get(scope, keys[:count], into, tokens=tokens, io_class=io_class, verify=True)
+            usable, rejected = got.prefix_hits, got.rejected
         except Exception as exc:
             self._failed("get", exc)
-            headers = ()
-        page_tokens = scope.layout.page_tokens
-        usable = rejected = 0
-        for i, header in enumerate(headers):
-            tokens = token_ids[i * page_tokens : (i + 1) * page_tokens]
-            if header is not None and _verified(header, scope, keys[i], tokens, page_payload_bytes):
-                if usable == i:
-                    usable += 1
-            elif header is not None:
-                rejected += 1
+            usable = rejected = 0
         if rejected:
             log.warning(
                 "%d page(s) served for scope %s failed verification; computing them instead",
@@ -342,17 +337,3 @@ class _Got:
     result: PullResult
     buffers: tuple[WritableBuffer, ...]
     served: int
-
-
-def _verified(
-    header: PageHeader, scope: Scope, key: bytes, tokens: Sequence[int], payload_bytes: int
-) -> bool:
-    """The page is the one asked for: its key, scope, KV format and exact tokens."""
-    return (
-        header.key == key
-        and header.scope_digest == scope.digest
-        and header.dtype == scope.kv_dtype
-        and header.layout == scope.layout
-        and header.payload_bytes == payload_bytes
-        and header.tokens == tuple(tokens)
-    )

@@ -77,7 +77,7 @@ def measure(addresses: list[str], replicas: int, args: argparse.Namespace, tag: 
         keys = [[p.header.key for p in b] for b in batches]
 
         def get(i: int) -> None:
-            if client.get(scope, keys[i], into).hit_count != args.batch:
+            if client.get(scope, keys[i], into, tokens=[p.header.tokens for p in batches[i]]).hit_count != args.batch:
                 raise RuntimeError("bench get missed pages it had just put")
 
         rows.append(_row(n, replicas, "get", _time(args.iters, get), batch_bytes))

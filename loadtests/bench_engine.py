@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from client import StoreClient, Tier, build_pages, page_keys
+from client import StoreClient, Tier, build_pages, page_keys, page_tokens
 from engine.prefill import PrefillWorker
 from engine.presets import PRESET_NAMES, init_checkpoint
 from engine.requests import PrefillResult
@@ -275,7 +275,7 @@ def stage_ssd(client: StoreClient, runtime: ModelRuntime, ids: list[int], opts: 
     keys = page_keys(source, ids)
     size = runtime.new_pool(1).page_payload_bytes
     payloads = [bytearray(size) for _ in keys]
-    got = client.get(source, keys, payloads)
+    got = client.get(source, keys, payloads, tokens=page_tokens(source, ids))
     if got.hit_count != len(keys):
         raise BenchFailed(f"the store gave {got.hit_count} of {len(keys)} published pages")
     for rep in range(opts.reps):

@@ -258,7 +258,7 @@ def run_load(ns: argparse.Namespace) -> int:
                 client.put(scope, pages)
                 moved += size * ns.batch
                 if ns.reads:
-                    got = client.get(scope, [p.header.key for p in pages], into)
+                    got = client.get(scope, [p.header.key for p in pages], into, tokens=[p.header.tokens for p in pages])
                     moved += size * got.hit_count
             except CapacityExhausted as exc:
                 refused += 1
@@ -337,7 +337,7 @@ def bench_critical(ns: argparse.Namespace, folder: Path, report: Report) -> None
 
             def getter(c: StoreClient) -> Callable[[], None]:
                 def get() -> None:
-                    if c.get(scope, keys, into).hit_count != len(keys):
+                    if c.get(scope, keys, into, tokens=[p.header.tokens for p in hot]).hit_count != len(keys):
                         raise RuntimeError("a critical get missed its DRAM pages")
                 return get
 
@@ -407,7 +407,7 @@ def _dram_ops(daemon: DaemonProcess, ns: argparse.Namespace, label: str) -> tupl
         c.put(scope, chain)
 
         def get() -> None:
-            c.get(scope, keys[:4], into)
+            c.get(scope, keys[:4], into, tokens=[p.header.tokens for p in chain[:4]])
 
         def lookup() -> None:
             c.lookup(scope, keys)
@@ -424,7 +424,7 @@ def _dram_ops(daemon: DaemonProcess, ns: argparse.Namespace, label: str) -> tupl
             rounds.run(ns.rounds, both)
         finally:
             moved = load.stop()
-        hits = c.get(scope, keys[:4], into).hit_count
+        hits = c.get(scope, keys[:4], into, tokens=[p.header.tokens for p in chain[:4]]).hit_count
         stats = c.stats()
     rate = rounds.load_bytes[0] / rounds.loaded_s if rounds.loaded_s else 0.0
     return rounds.idle, rounds.loaded, {

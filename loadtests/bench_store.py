@@ -10,8 +10,9 @@ on the same source and destination buffers:
   ucxx works) a put and a get **as paid**, and the same **bare**. A put as paid builds its pages'
   headers inside the timed call (`build_pages`: the key chain and the xxh3 checksum of every
   payload, as the engine's publisher does); bare, it puts headers built beforehand. A get as
-  paid asks for verification (`verify=True`, what `engine.store_link` asks for), decodes each
-  header and checks its key, scope, layout and exact tokens as the engine does before it uses a
+  paid asks for verification (`verify=True`, what `engine.store_link` asks for) and passes the
+  pages' token ids (the SDK checks them against each header), then decodes each header and
+  checks its key, scope, layout and exact tokens as the engine did before it used a
   page; bare, it only counts hits (`verify=False`). The gap between the two is integrity's cost;
 - with `--against mooncake`: Mooncake's zero-copy batch API on the same buffers, with its
   storage in this process (same-host) and in another process over its TCP transport (remote),
@@ -50,6 +51,7 @@ from client import (
     StoreClient,
     build_pages,
     page_keys,
+    page_tokens,
 )
 from client.types import Tier
 from loadtests.daemon import DaemonProcess
@@ -262,14 +264,15 @@ def bench_strata_path(
 
     def get_paid(i: int) -> None:
         keys = paid_keys[i]
-        got = client.get(paid_scope, keys, data.dst_pages(i), verify=True)
+        want = page_tokens(paid_scope, tokens[i])
+        got = client.get(paid_scope, keys, data.dst_pages(i), tokens=want, verify=True)
         for j, header in enumerate(got.headers):
-            page_tokens = tokens[i][j * PAGE_TOKENS : (j + 1) * PAGE_TOKENS]
-            if not engine_accepts(header, paid_scope, keys[j], page_tokens, data.page_bytes):
+            ids = tokens[i][j * PAGE_TOKENS : (j + 1) * PAGE_TOKENS]
+            if not engine_accepts(header, paid_scope, keys[j], ids, data.page_bytes):
                 raise RuntimeError(f"{label} get: page {j} missing or not the one asked for")
 
     def get_bare(i: int) -> None:
-        got = client.get(paid_scope, paid_keys[i], data.dst_pages(i), verify=False)
+        got = client.get(paid_scope, paid_keys[i], data.dst_pages(i), tokens=None, verify=False)
         if got.hit_count != data.count:
             raise RuntimeError(f"{label} get found {got.hit_count} of {data.count} pages")
 
@@ -314,7 +317,7 @@ def lookup_calls(label: str, client: StoreClient) -> Iterator[list[Call]]:
             raise RuntimeError("lookup hit a missing key")
 
     def get_miss(_: int) -> None:
-        if client.get(scope, [bytes(16)], buf).hit_count:
+        if client.get(scope, [bytes(16)], buf, tokens=None).hit_count:
             raise RuntimeError("get of a missing key hit")
 
     try:
@@ -387,8 +390,9 @@ def bench_ssd(remote: StoreClient, shm: StoreClient, folder: Path, pages: int) -
         for start in range(r * per_round, (r + 1) * per_round, 16):
             chosen = order[start : start + 16]
             keys = [batch[p].header.key for p in chosen]
+            want = [batch[p].header.tokens for p in chosen]
             t0 = time.perf_counter()
-            got = shm.get(scope, keys, dst, verify=True)
+            got = shm.get(scope, keys, dst, tokens=want, verify=True)
             for header, p in zip(got.headers, chosen, strict=True):
                 page_tokens = tokens[p * PAGE_TOKENS : (p + 1) * PAGE_TOKENS]
                 if not engine_accepts(header, scope, batch[p].header.key, page_tokens, 1 << 20):

@@ -81,6 +81,11 @@ def keys_of(pages: Sequence[Page]) -> list[bytes]:
     return [p.header.key for p in pages]
 
 
+def tokens_of(pages: Sequence[Page]) -> list[tuple[int, ...]]:
+    """Each page's token ids: what a get of `keys_of(pages)` passes as `tokens`."""
+    return [p.header.tokens for p in pages]
+
+
 def buffers(scope: Scope, count: int) -> list[bytearray]:
     return [bytearray(scope.page_payload_bytes) for _ in range(count)]
 
@@ -88,7 +93,7 @@ def buffers(scope: Scope, count: int) -> list[bytearray]:
 def read_back(client: StoreClient, scope: Scope, pages: Sequence[Page]) -> list[bytes | None]:
     """Get `pages` through `client`: each payload as bytes, or None for a miss."""
     into = buffers(scope, len(pages))
-    result = client.get(scope, keys_of(pages), into)
+    result = client.get(scope, keys_of(pages), into, tokens=tokens_of(pages))
     return [bytes(b) if h is not None else None for h, b in zip(result.headers, into, strict=True)]
 
 

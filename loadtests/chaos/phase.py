@@ -321,13 +321,14 @@ def _read_back(
         for start in range(0, len(keys), batch):
             part = keys[start : start + batch]
             try:
-                got = client.get(scope, part, into[: len(part)])
+                # tokens=None: these readers know keys only; every payload is checked against its key
+                got = client.get(scope, part, into[: len(part)], tokens=None)
                 hits = [e is not None for e in got.entries]
             except StrataError:  # e.g. UNAVAILABLE for an SSD error: try each page alone
                 hits = []
                 for i, key in enumerate(part):
                     try:
-                        one = client.get(scope, [key], into[i : i + 1])
+                        one = client.get(scope, [key], into[i : i + 1], tokens=None)
                         hits.append(one.entries[0] is not None)
                     except StrataError:
                         errors += 1  # not served: a miss, never a wrong page

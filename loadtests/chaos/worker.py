@@ -147,7 +147,7 @@ def run(ns: argparse.Namespace, stop: threading.Event) -> Record:
         op = "get" if rng.random() < 2 / 3 else "lookup"
         try:
             if op == "get":
-                got = client.get(scope, keys, into)
+                got = client.get(scope, keys, into, tokens=None)  # checked by key: `_check`
                 _check(record, keys, got.entries, into)
             else:
                 client.lookup(scope, keys)

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from client import KVLayout, Scope, StoreClient, build_pages, page_keys
+from client import KVLayout, Scope, StoreClient, build_pages, page_keys, page_tokens
 from loadtests.workload import Request, WorkloadSpec, request_token_ids
 
 Report = Callable[[str, float, int, int, BaseException | None], None]
@@ -199,7 +199,10 @@ class StoreLoad:
         hit = self.client.lookup(self.scope, keys).hit_count
         if hit:
             self.client.get(
-                self.scope, keys[:hit], [bytearray(self.page_bytes) for _ in range(hit)]
+                self.scope,
+                keys[:hit],
+                [bytearray(self.page_bytes) for _ in range(hit)],
+                tokens=page_tokens(self.scope, ids)[:hit],
             )
         missing = len(keys) - hit
         if missing:

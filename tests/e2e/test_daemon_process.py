@@ -21,6 +21,7 @@ from conftest import (
     make_scope,
     read_back,
     singles,
+    tokens_of,
 )
 
 from client import StoreClient, Tier
@@ -107,7 +108,7 @@ def test_kill_9_then_restart_serves_ssd_pages(tmp_path: Path) -> None:
             got = read_back(client, scope, burst)
             assert all(g is None or g == p.payload for g, p in zip(got, burst, strict=True))
             into = buffers(scope, len(burst))
-            result = client.get(scope, keys_of(burst), into, verify=True)
+            result = client.get(scope, keys_of(burst), into, tokens=tokens_of(burst), verify=True)
             assert all(
                 h is None or h == p.header for h, p in zip(result.headers, burst, strict=True)
             )
@@ -160,7 +161,7 @@ def work(i):
     stored = client.put(scope, pages).stored
     gevent.sleep(0)  # let the other greenlets interleave
     into = [bytearray(scope.page_payload_bytes) for _ in keys]
-    got = client.get(scope, keys, into)
+    got = client.get(scope, keys, into, tokens=[p.header.tokens for p in pages])
     same = got.hit_count == 3 and [bytes(b) for b in into] == payloads
     return stored, same, client.lookup(scope, keys).hit_count
 jobs = [gevent.spawn(work, i) for i in range(8)]

@@ -184,7 +184,7 @@ def test_bad_key_length(victim: Victim) -> None:
     with pytest.raises(InvalidArgument):
         v.rpc.lookup(v.scope, [short_key])
     with pytest.raises(InvalidArgument):
-        v.shm.get(v.scope, [short_key], buffers(v.scope, 1))
+        v.shm.get(v.scope, [short_key], buffers(v.scope, 1), tokens=None)
     assert_no_leftovers(v)
     v.assert_unharmed()
 

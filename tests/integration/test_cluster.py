@@ -22,7 +22,7 @@ from client.membership import Member, member_key, members_prefix
 from kvstore.server import CLUSTER_SERVICE_NAME
 from loadtests.daemon import DaemonProcess, wait_for
 from loadtests.etcd import EtcdProcess
-from tests.conftest import DaemonFactory, buffers, chain, keys_of, make_scope, singles
+from tests.conftest import DaemonFactory, buffers, chain, keys_of, make_scope, singles, tokens_of
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +87,7 @@ def test_no_cluster_section_needs_no_etcd(daemon_factory: DaemonFactory) -> None
 
 def _read(client: ClusterClient, scope: Scope, pages: list) -> list[bytes | None]:  # type: ignore[type-arg]
     into = buffers(scope, len(pages))
-    got = client.get(scope, keys_of(pages), into)
+    got = client.get(scope, keys_of(pages), into, tokens=tokens_of(pages))
     return [bytes(b) if h is not None else None for h, b in zip(got.headers, into, strict=True)]
 
 

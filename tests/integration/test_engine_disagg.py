@@ -27,6 +27,7 @@ from client import (
     make_header,
     page_keys,
 )
+from client.types import checked_tokens, match_tokens
 from engine.checkpoint import load_checkpoint, make_scope
 from engine.decode import DecodeWorker
 from engine.prefill import PrefillWorker
@@ -135,7 +136,7 @@ def test_kv_computed_on_a_prefix_hit_equals_kv_without_one(
     scope = runtime.scope()
     keys = page_keys(scope, prompt)
     into = [bytearray(scope.page_payload_bytes) for _ in keys]
-    got = engines.store.get(scope, keys, into)
+    got = engines.store.get(scope, keys, into, tokens=None)
     assert got.hit_count == len(keys) == 5
     for i, buf in enumerate(into):
         stored = torch.frombuffer(buf, dtype=torch.float32)
@@ -152,7 +153,7 @@ def test_hits_served_from_ssd(
     engines.prefill.prefill(prompt, GREEDY)
     keys = page_keys(scope, prompt)
     into = [bytearray(scope.page_payload_bytes) for _ in keys]
-    assert engines.store.get(scope, keys, into).hit_count == 4
+    assert engines.store.get(scope, keys, into, tokens=None).hit_count == 4
     assert engines.store.delete(keys=keys) == 4
     assert engines.store.put(scope, build_pages(scope, prompt, into), tier=Tier.SSD).stored == 4
     assert engines.store.lookup(scope, keys).tiers == (Tier.SSD,) * 4
@@ -238,17 +239,20 @@ class LyingStore:
         keys: Sequence[bytes],
         into: Sequence[WritableBuffer],
         *,
+        tokens: Sequence[Sequence[int]] | None,
         io_class: IoClass | None = None,
         verify: bool | None = None,
     ) -> GetResult:
-        got = self.inner.get(scope, keys, into, io_class=io_class, verify=verify)
+        got = self.inner.get(scope, keys, into, tokens=None, io_class=io_class, verify=verify)
         headers = list(got.headers)
         for i, key in enumerate(keys):
             if key in self.swap and headers[i] is not None:
                 header, payload = self.swap[key]
                 memoryview(into[i]).cast("B")[: len(payload)] = payload
                 headers[i] = dataclasses.replace(header, key=key)
-        return GetResult(tuple(headers))
+        # what the SDK then does with the caller's tokens (as StoreClient.get does)
+        checked, rejected = match_tokens(scope, headers, checked_tokens(scope, keys, tokens))
+        return GetResult(checked, rejected)
 
 
 def test_a_poisoned_page_is_refused_by_the_store_and_by_token_checks(
@@ -261,7 +265,7 @@ def test_a_poisoned_page_is_refused_by_the_store_and_by_token_checks(
     engines.generate(decoy)
     keys, decoy_keys = page_keys(scope, prompt), page_keys(scope, decoy)
     buf = bytearray(scope.page_payload_bytes)
-    assert engines.store.get(scope, decoy_keys[1:2], [buf]).hit_count == 1
+    assert engines.store.get(scope, decoy_keys[1:2], [buf], tokens=None).hit_count == 1
     decoy_header = make_header(scope, decoy_keys[0], decoy[16:32], buf)
     # A page crafted to sit under this prompt's key with the decoy's tokens: refused on put,
     # by the client and by the daemon alike, since its key is not chain_key(parent, tokens).
@@ -315,7 +319,7 @@ def test_a_corrupt_page_is_recomputed(
     engines.prefill.prefill(prompt, GREEDY)
     keys = page_keys(scope, prompt)
     buf = bytearray(scope.page_payload_bytes)
-    assert engines.store.get(scope, keys[1:2], [buf]).hit_count == 1
+    assert engines.store.get(scope, keys[1:2], [buf], tokens=None).hit_count == 1
     # flip one byte of page 1's payload where it lies, in the daemon's DRAM segment
     with open(f"/dev/shm/{daemon.info.segment_name}", "r+b") as segment:
         data = segment.read()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import buffers, chain, keys_of, make_scope
+from conftest import buffers, chain, keys_of, make_scope, tokens_of
 
 from client import Page, PutStatus, StoreClient
 from client.errors import Corrupt
@@ -67,7 +67,7 @@ def test_sdk_client_round_trip(address: str) -> None:
         statuses = client.put(scope, pages).statuses
         assert statuses == (PutStatus.ALREADY_PRESENT,) * 3 + (PutStatus.STORED,) * 2
         into = buffers(scope, 6)
-        result = client.get(scope, [*keys_of(pages), bytes(16)], into)
+        result = client.get(scope, [*keys_of(pages), bytes(16)], into, tokens=None)
         assert result.hit_count == 5 and result.headers[5] is None
         assert [bytes(b) for b in into[:5]] == [bytes(p.payload) for p in pages]
         assert client.corrupt_pages == 0
@@ -126,7 +126,7 @@ def test_sdk_client_reads_what_a_third_party_wrote(address: str) -> None:
         _third_party_put(pb_grpc.StoreStub(channel), scope.encode(), pages)
     with StoreClient(address, shared_memory=False) as client:
         into = buffers(scope, 2)
-        assert client.get(scope, keys_of(pages), into).hit_count == 2
+        assert client.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 2
         assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
 
 

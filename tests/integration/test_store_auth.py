@@ -25,6 +25,7 @@ from conftest import (
     keys_of,
     make_scope,
     singles,
+    tokens_of,
 )
 
 from client import AsyncStoreClient, ClusterClient, Scope, StoreClient
@@ -147,7 +148,7 @@ def test_another_tenants_reads_writes_and_deletes_are_refused(
     into = [bytearray(A.page_payload_bytes) for _ in keys]
     refused: list[Callable[[], object]] = [
         lambda: b.lookup(A, keys),
-        lambda: b.get(A, keys, into),
+        lambda: b.get(A, keys, into, tokens=None),
         lambda: b.put(A, chain(A, 6, seed=9)),
         lambda: b.delete(scope=A),
         lambda: b.delete(keys=keys[2:]),
@@ -359,7 +360,7 @@ def test_the_same_host_path_checks_namespaces_too(
     assert_intact(a, A, chain(A, 5))
     into = [bytearray(A.page_payload_bytes) for _ in range(5)]
     with pytest.raises(PermissionDenied):
-        b.get(A, keys_of(chain(A, 5)), into)
+        b.get(A, keys_of(chain(A, 5)), into, tokens=tokens_of(chain(A, 5)))
     with pytest.raises(PermissionDenied):
         b.put(A, chain(A, 7, seed=8))
     assert_intact(a, A, chain(A, 5))

@@ -3,9 +3,15 @@ at its scope's digest or at a key of its own scope is refused on every put path 
 INVALID_ARGUMENT "chain does not verify", counted, and disturbs nothing — above all, it cannot
 pre-publish another namespace's next page (which would turn that tenant's own put into
 ALREADY_PRESENT). A child whose parent was evicted or deleted still verifies; a node that holds
-none of a page's ancestors verifies it from the put's chain prefixes (a cluster's case)."""
+none of a page's ancestors verifies it from the put's chain prefixes (a cluster's case).
+
+And the readers' half: every SDK read checks the caller's token ids against each page's header,
+so a page served for a key whose tokens are not the caller's (a collision, crafted or not) is a
+miss, counted in `GetResult.rejected`, on the sync, async and cluster clients alike."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from conftest import (
@@ -17,10 +23,21 @@ from conftest import (
     payload_for,
     read_back,
     singles,
+    tokens_of,
 )
 from test_store_paths import metric, scrape
 
-from client import Page, PutStatus, Scope, StoreClient, build_pages, make_header
+from client import (
+    AsyncStoreClient,
+    ClusterClient,
+    Page,
+    PutStatus,
+    Scope,
+    StoreClient,
+    build_pages,
+    make_header,
+    page_tokens,
+)
 from client.errors import InvalidArgument
 
 pytestmark = pytest.mark.integration
@@ -168,3 +185,85 @@ def test_refusals_are_counted_on_metrics(daemon_factory: DaemonFactory) -> None:
         with pytest.raises(InvalidArgument):
             client.put(ATTACKER, [forged(mine[0], prompt_tokens(seed, 1), seed)])
     assert metric(scrape(d.info.metrics_url), "strata_chain_rejected_total") == 3
+
+
+# ---- every SDK read checks the caller's tokens --------------------------------------------------
+
+
+def colliding(pages: list[Page]) -> list[tuple[int, ...]]:
+    """Token ids a caller would have if its keys collided with `pages`' on page 1: same keys,
+    other tokens there (BLAKE2b keys cannot be made to collide; the tokens passed can)."""
+    tokens = tokens_of(pages)
+    tokens[1] = tuple((t + 1) % 50_000 for t in tokens[1])
+    return tokens
+
+
+@pytest.mark.parametrize("path", ["shm", "grpc", "tcp"])
+def test_a_page_whose_tokens_are_not_the_callers_is_a_miss(
+    daemon_factory: DaemonFactory, path: str
+) -> None:
+    d = daemon_factory(settings={"server.tcp": "true"})
+    client = client_for(d, path)
+    pages = prompt(VICTIM, 11, 3)
+    assert client.put(VICTIM, pages).stored == 3
+    into = [bytearray(VICTIM.page_payload_bytes) for _ in pages]
+    got = client.get(VICTIM, keys_of(pages), into, tokens=colliding(pages))
+    assert [h is not None for h in got.headers] == [True, False, True]
+    assert got.rejected == 1 and got.prefix_hits == 1
+    assert bytes(into[0]) == bytes(pages[0].payload)
+    good = client.get(VICTIM, keys_of(pages), into, tokens=tokens_of(pages))
+    assert good.hit_count == 3 and good.rejected == 0
+    assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
+    # the tokens must fit the keys: one full page of ids per key, checked before any call
+    with pytest.raises(InvalidArgument, match="token lists"):
+        client.get(VICTIM, keys_of(pages), into, tokens=tokens_of(pages)[:2])
+    with pytest.raises(InvalidArgument, match="a page of this scope"):
+        client.get(VICTIM, keys_of(pages[:1]), into[:1], tokens=[(1, 2, 3)])
+    # a prompt's pages split by `page_tokens`, as the engine does
+    ids = prompt_tokens(11, 3)
+    assert client.get(VICTIM, keys_of(pages), into, tokens=page_tokens(VICTIM, ids)).hit_count == 3
+    d.check()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_the_async_client_checks_tokens_too(
+    daemon_factory: DaemonFactory, shared_memory: bool
+) -> None:
+    d = daemon_factory()
+    pages = prompt(VICTIM, 12, 3)
+
+    async def scenario() -> tuple[list[bool], int, int]:
+        async with AsyncStoreClient(d.address, shared_memory=shared_memory) as client:
+            await client.put(VICTIM, pages)
+            into = [bytearray(VICTIM.page_payload_bytes) for _ in pages]
+            bad = await client.get(VICTIM, keys_of(pages), into, tokens=colliding(pages))
+            good = await client.get(VICTIM, keys_of(pages), into, tokens=tokens_of(pages))
+            return [h is not None for h in bad.headers], bad.rejected, good.hit_count
+
+    assert asyncio.run(scenario()) == ([True, False, True], 1, 3)
+
+
+def test_the_cluster_client_checks_tokens_and_verifies_chains_across_nodes(
+    daemon_factory: DaemonFactory,
+) -> None:
+    nodes = [daemon_factory() for _ in range(3)]
+    pages = prompt(VICTIM, 13, 12)
+    with ClusterClient(addresses=[n.address for n in nodes], replicas=1) as client:
+        # one replica each: most pages land on a node that holds not their parent
+        assert client.put(VICTIM, pages).stored == 12
+        spread = [len(n.store.index) for n in nodes]
+        assert sum(spread) == 12 and max(spread) < 12
+        # a continuation alone, with the tokens before it: every node verifies its pages
+        tail = prompt(VICTIM, 14, 6)
+        ids = prompt_tokens(14, 6)
+        result = client.put(VICTIM, tail[3:], prefix_tokens=ids[: 3 * PAGE_TOKENS])
+        assert result.stored == 3
+        into = [bytearray(VICTIM.page_payload_bytes) for _ in pages]
+        got = client.get(VICTIM, keys_of(pages), into, tokens=colliding(pages))
+        assert [h is not None for h in got.headers][:3] == [True, False, True]
+        assert got.rejected == 1
+        good = client.get(VICTIM, keys_of(pages), into, tokens=tokens_of(pages))
+        assert good.hit_count == 12
+        assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
+    for n in nodes:
+        n.check()

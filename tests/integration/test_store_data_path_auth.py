@@ -12,7 +12,15 @@ import socket
 from pathlib import Path
 
 import pytest
-from conftest import DaemonFactory, RunningDaemon, assert_intact, chain, keys_of, make_scope
+from conftest import (
+    DaemonFactory,
+    RunningDaemon,
+    assert_intact,
+    chain,
+    keys_of,
+    make_scope,
+    tokens_of,
+)
 
 from client import StoreClient
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
@@ -119,7 +127,12 @@ def test_each_request_is_checked_against_the_connections_principal(
     assert b.put(B, pages_b).stored == 2
     assert_intact(a, A, pages_a)
     with pytest.raises(PermissionDenied):
-        b.get(A, keys_of(pages_a), [bytearray(A.page_payload_bytes) for _ in pages_a])
+        b.get(
+            A,
+            keys_of(pages_a),
+            [bytearray(A.page_payload_bytes) for _ in pages_a],
+            tokens=tokens_of(pages_a),
+        )
     poison = chain(A, 2, seed=9)
     with pytest.raises(PermissionDenied):
         b.put(A, poison)

@@ -21,6 +21,7 @@ from conftest import (
     payload_for,
     read_back,
     singles,
+    tokens_of,
 )
 
 import kvstore.store as store_module
@@ -143,7 +144,11 @@ def test_a_same_host_put_that_fails_its_checksum_is_never_served(
     assert clients.shm.put(scope, [bad, *good]).stored == 4  # the writer is not slowed down
     # read before the daemon's own pass: the get checks it on the spot
     got = clients.by_path(reader).get(
-        scope, keys_of([bad, *good]), [bytearray(PAGE_BYTES) for _ in range(4)], verify=False
+        scope,
+        keys_of([bad, *good]),
+        [bytearray(PAGE_BYTES) for _ in range(4)],
+        tokens=tokens_of([bad, *good]),
+        verify=False,
     )
     assert got.headers[0] is None and all(h is not None for h in got.headers[1:])
     assert d.store.counters.shm_put_corrupt == 1

@@ -89,7 +89,7 @@ else:
         client = StoreClient(address, shared_memory=False)
     into = [bytearray(scope.page_payload_bytes) for _ in keys]
     try:
-        got = client.get(scope, keys, into, verify=False)  # the fence holds without verify
+        got = client.get(scope, keys, into, tokens=None, verify=False)  # the fence, unverified
     except StrataError as exc:
         print("error", type(exc).__name__, flush=True)
     else:

@@ -66,11 +66,13 @@ def transcript(
     out.append(client.lookup(scope, [*keys[:5], ABSENT, *keys[6:]]).hit_count)  # a gap ends it
     out.append(client.lookup(make_scope("other tenant"), keys).hit_count)  # scopes isolate
     into = buffers(scope, len(keys) + 1)
-    got = client.get(scope, [*keys, ABSENT], into)
+    got = client.get(scope, [*keys, ABSENT], into, tokens=None)
     out.append([h == p.header for h, p in zip(got.headers, pages, strict=False)])
     out.append(got.headers[-1])
     out.append([bytes(b) == p.payload for b, p in zip(into, pages, strict=False)])
-    out.append(client.get(make_scope("other tenant"), keys[:2], buffers(scope, 2)).headers)
+    out.append(
+        client.get(make_scope("other tenant"), keys[:2], buffers(scope, 2), tokens=None).headers
+    )
     stats = client.stats()
     dram = next(t for t in stats.tiers if t.tier is Tier.DRAM)
     ssd = next(t for t in stats.tiers if t.tier is Tier.SSD)
@@ -147,7 +149,7 @@ def test_async_client(shared_memory: bool, daemon: RunningDaemon, scope: Scope) 
             out.append((await client.put(scope, pages)).already_present)
             out.append(await client.lookup(scope, [*keys[:3], ABSENT, *keys[4:]]))
             into = buffers(scope, 9)
-            got = await client.get(scope, [*keys, ABSENT], into)
+            got = await client.get(scope, [*keys, ABSENT], into, tokens=None)
             out.append(got.hit_count)
             out.append(got.headers[-1])
             out.append([bytes(b) == p.payload for b, p in zip(into, pages, strict=False)])

@@ -25,6 +25,7 @@ from conftest import (
     chain,
     keys_of,
     make_scope,
+    tokens_of,
 )
 
 from client import ClusterClient, StoreClient
@@ -113,7 +114,7 @@ def _round_trip(client: StoreClient, name: str) -> None:
     pages = chain(scope, 3, seed=5)
     assert client.put(scope, pages).stored == 3
     into = buffers(scope, 3)
-    result = client.get(scope, keys_of(pages), into)
+    result = client.get(scope, keys_of(pages), into, tokens=tokens_of(pages))
     assert result.hit_count == 3
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
 

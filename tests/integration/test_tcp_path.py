@@ -15,7 +15,7 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope
+from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope, tokens_of
 from test_ucx_path import LARGE, LAYOUTS, MEDIUM, SMALL, layout_bytes, prompt, transcript
 
 from client import KVLayout, Page, StoreClient
@@ -64,7 +64,9 @@ def test_same_results_over_tcp_and_grpc(daemon_factory: DaemonFactory, layout: K
     want = [bytes(p.payload) for p in pages["t"]]
     assert a[4] == [want[0], None, *want[1:]]
     into = buffers(scope, 5)
-    assert rpc.get(scope, keys_of(pages["t"]), into).hit_count == 5  # what TCP wrote, gRPC reads
+    assert (
+        rpc.get(scope, keys_of(pages["t"]), into, tokens=tokens_of(pages["t"])).hit_count == 5
+    )  # what TCP wrote, gRPC reads
     assert [bytes(b) for b in into] == want
     moved = daemon.store.counters.bytes_moved
     for direction in ("in", "out"):
@@ -83,7 +85,10 @@ def test_kept_connections_are_reused_and_shared_by_threads(daemon_factory: Daemo
     def work(i: int) -> list[bytes]:
         tcp.put(scopes[i], prompts[i])
         into = buffers(scopes[i], 6)
-        assert tcp.get(scopes[i], keys_of(prompts[i]), into).hit_count == 6
+        assert (
+            tcp.get(scopes[i], keys_of(prompts[i]), into, tokens=tokens_of(prompts[i])).hit_count
+            == 6
+        )
         return [bytes(b) for b in into]
 
     with ThreadPoolExecutor(4) as pool:
@@ -95,7 +100,12 @@ def test_kept_connections_are_reused_and_shared_by_threads(daemon_factory: Daemo
     assert 1 <= live <= 4  # at most one per concurrent call, kept for the next
     for _ in range(5):  # sequential calls reuse a kept connection: none is added
         tcp.lookup(scopes[0], keys_of(prompts[0]))
-        assert tcp.get(scopes[0], keys_of(prompts[0]), buffers(scopes[0], 6)).hit_count == 6
+        assert (
+            tcp.get(
+                scopes[0], keys_of(prompts[0]), buffers(scopes[0], 6), tokens=tokens_of(prompts[0])
+            ).hit_count
+            == 6
+        )
     assert len(server._endpoints) == live
     daemon.check()
 
@@ -111,7 +121,7 @@ def test_a_kept_connection_the_daemon_closed_is_replaced(daemon_factory: DaemonF
     assert wait_for(lambda: len(server._endpoints) == 1, timeout_s=5)
     for ep in list(server._endpoints):  # the daemon drops the idle connection (any thread may)
         ep.abort()
-    assert tcp.get(scope, keys_of(pages), buffers(scope, 3)).hit_count == 3
+    assert tcp.get(scope, keys_of(pages), buffers(scope, 3), tokens=tokens_of(pages)).hit_count == 3
     assert tcp.transport == "tcp"  # a fresh connection, not a fall back to gRPC
 
 
@@ -157,7 +167,7 @@ def test_corrupt_payload_on_put_is_refused(daemon_factory: DaemonFactory) -> Non
     assert good_kind == KIND_DONE
     tcp, _ = tcp_and_grpc(daemon)
     into = buffers(scope, 2)
-    assert tcp.get(scope, keys_of(good), into).hit_count == 2
+    assert tcp.get(scope, keys_of(good), into, tokens=tokens_of(good)).hit_count == 2
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in good]
 
 
@@ -209,7 +219,7 @@ def test_client_falls_back_to_grpc_when_the_listener_goes(daemon_factory: Daemon
     assert tcp.put(scope, pages).stored == 2
     assert tcp.transport == "grpc"
     into = buffers(scope, 3)
-    assert tcp.get(scope, keys_of(pages), into).hit_count == 3
+    assert tcp.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 3
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
 
 
@@ -245,5 +255,5 @@ def test_wire_frames_survive_a_many_page_round_trip(daemon_factory: DaemonFactor
     pages = prompt(scope, 200, seed=17)
     assert tcp.put(scope, pages).stored == 200
     into = buffers(scope, 200)
-    assert tcp.get(scope, keys_of(pages), into).hit_count == 200
+    assert tcp.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 200
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]

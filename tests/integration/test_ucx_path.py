@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import pytest
-from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope
+from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope, tokens_of
 
 from client import KVLayout, Page, Scope, StoreClient, build_pages, ucx_transport
 from client.errors import Corrupt, Unavailable
@@ -77,7 +77,7 @@ def transcript(client: StoreClient, scope: Scope, pages: Sequence[Page]) -> list
     out: list[object] = [client.put(scope, pages[:3]).statuses, client.put(scope, pages).statuses]
     out.append(client.lookup(scope, [*keys, b"\xab" * 16]))
     into = [bytearray(scope.page_payload_bytes) for _ in range(len(pages) + 1)]
-    result = client.get(scope, [keys[0], b"\xab" * 16, *keys[1:]], into)
+    result = client.get(scope, [keys[0], b"\xab" * 16, *keys[1:]], into, tokens=None)
     out.append([keys.index(h.key) if h is not None else None for h in result.headers])
     out.append(
         [bytes(b) if h is not None else None for h, b in zip(result.headers, into, strict=True)]
@@ -103,7 +103,7 @@ def test_same_results_over_ucx_and_grpc(daemon_factory: DaemonFactory, layout: K
     # what one path wrote, the other reads
     scope = make_scope("u", layout=layout)
     into = [bytearray(scope.page_payload_bytes) for _ in range(5)]
-    assert rpc.get(scope, keys_of(pages["u"]), into).hit_count == 5
+    assert rpc.get(scope, keys_of(pages["u"]), into, tokens=tokens_of(pages["u"])).hit_count == 5
     assert [bytes(b) for b in into] == want
     moved = daemon.store.counters.bytes_moved
     assert sum(
@@ -130,7 +130,10 @@ def test_concurrent_calls_share_one_client(daemon_factory: DaemonFactory) -> Non
     def work(i: int) -> list[bytes]:
         ucx.put(scopes[i], prompts[i])
         into = [bytearray(scopes[i].page_payload_bytes) for _ in range(6)]
-        assert ucx.get(scopes[i], keys_of(prompts[i]), into).hit_count == 6
+        assert (
+            ucx.get(scopes[i], keys_of(prompts[i]), into, tokens=tokens_of(prompts[i])).hit_count
+            == 6
+        )
         return [bytes(b) for b in into]
 
     from concurrent.futures import ThreadPoolExecutor
@@ -172,7 +175,7 @@ def test_corrupt_payload_on_get_is_a_miss(daemon_factory: DaemonFactory, path: s
         assert entry is not None and entry.dram is not None
         daemon.store.tiers.dram.view(entry.dram, 8)[3] ^= 0x01  # bit rot in the DRAM slot
     into = [bytearray(scope.page_payload_bytes) for _ in range(3)]
-    result = client.get(scope, keys_of(pages), into)
+    result = client.get(scope, keys_of(pages), into, tokens=tokens_of(pages))
     assert [h is not None for h in result.headers] == [True, False, True]
     assert client.corrupt_pages == 1
     assert bytes(into[2]) == bytes(pages[2].payload)
@@ -228,7 +231,7 @@ def test_disconnect_mid_put_stores_nothing_and_daemon_serves_on(
     ucx, _ = both(daemon)
     assert ucx.put(scope, pages).stored == 4
     into = [bytearray(scope.page_payload_bytes) for _ in range(4)]
-    assert ucx.get(scope, keys_of(pages), into).hit_count == 4
+    assert ucx.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 4
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
 
 
@@ -258,7 +261,7 @@ def test_disconnect_mid_get_releases_the_lease(daemon_factory: DaemonFactory) ->
     _raw(daemon, half_a_get)
     _wait_for_no_leases(daemon)
     into = [bytearray(scope.page_payload_bytes) for _ in range(4)]
-    assert ucx.get(scope, keys_of(pages), into).hit_count == 4
+    assert ucx.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 4
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
     daemon.check()
 
@@ -275,12 +278,12 @@ def test_daemon_without_listener_is_served_over_grpc(daemon_factory: DaemonFacto
     pages = prompt(scope, 3, seed=9)
     assert auto.put(scope, pages).stored == 3
     into = [bytearray(scope.page_payload_bytes) for _ in range(3)]
-    assert auto.get(scope, keys_of(pages), into).hit_count == 3
+    assert auto.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 3
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
     with StoreClient(daemon.address, shared_memory=False, ucx=True) as strict:
         strict.connect()
         with pytest.raises(Unavailable, match="UCX was required"):
-            strict.get(scope, keys_of(pages), into)
+            strict.get(scope, keys_of(pages), into, tokens=tokens_of(pages))
 
 
 @needs_ucxx
@@ -296,7 +299,7 @@ def test_client_falls_back_when_the_listener_goes_away(daemon_factory: DaemonFac
     assert auto.put(scope, pages).stored == 2
     assert auto.transport == "grpc"
     into = [bytearray(scope.page_payload_bytes) for _ in range(3)]
-    assert auto.get(scope, keys_of(pages), into).hit_count == 3
+    assert auto.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 3
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
 
 
@@ -333,7 +336,9 @@ def test_an_idle_client_costs_the_daemon_no_cpu(daemon_factory: DaemonFactory) -
     scope = make_scope("idle", layout=SMALL)
     pages = prompt(scope, 4, seed=9)
     assert client.put(scope, pages).stored == 4
-    assert client.get(scope, keys_of(pages), buffers(scope, 4)).hit_count == 4
+    assert (
+        client.get(scope, keys_of(pages), buffers(scope, 4), tokens=tokens_of(pages)).hit_count == 4
+    )
     before_cpu, before_wall = time.process_time(), time.monotonic()
     threading.Event().wait(1.5)  # idle: nothing is asked of the daemon
     share = (time.process_time() - before_cpu) / (time.monotonic() - before_wall)
@@ -353,7 +358,10 @@ def test_daemons_and_clients_of_a_process_share_one_ucx_loop(daemon_factory: Dae
         daemon = daemon_factory(dram="64MiB", ssd=None, settings=UCX_ON)
         client = daemon.client(shared_memory=False, ucx=True)
         assert client.put(scope, pages).stored == 2, round_
-        assert client.get(scope, keys_of(pages), buffers(scope, 2)).hit_count == 2
+        assert (
+            client.get(scope, keys_of(pages), buffers(scope, 2), tokens=tokens_of(pages)).hit_count
+            == 2
+        )
         daemon.stop()
     bulk_threads = [t.name for t in threading.enumerate() if t.name.startswith("strata-bulk")]
     assert bulk_threads == ["strata-bulk"]

@@ -505,15 +505,17 @@ def test_bad_keys_and_buffers_fail_before_any_rpc(served: Served) -> None:
         with pytest.raises(InvalidArgument):
             client.lookup(SCOPE, ["x" * 16])  # type: ignore[list-item]
         with pytest.raises(InvalidArgument, match="2 keys but 1"):
-            client.get(SCOPE, keys, good[:1])
+            client.get(SCOPE, keys, good[:1], tokens=None)
         with pytest.raises(InvalidArgument, match="read-only"):
-            client.get(SCOPE, keys, [good[0], bytes(PAGE_BYTES)])  # type: ignore[list-item]
+            client.get(SCOPE, keys, [good[0], bytes(PAGE_BYTES)], tokens=None)  # type: ignore[list-item]
         with pytest.raises(InvalidArgument, match="holds 255 bytes"):
-            client.get(SCOPE, keys, [good[0], bytearray(PAGE_BYTES - 1)])
+            client.get(SCOPE, keys, [good[0], bytearray(PAGE_BYTES - 1)], tokens=None)
         with pytest.raises(InvalidArgument, match="contiguous"):
-            client.get(SCOPE, keys, [good[0], memoryview(bytearray(2 * PAGE_BYTES))[::2]])
+            client.get(
+                SCOPE, keys, [good[0], memoryview(bytearray(2 * PAGE_BYTES))[::2]], tokens=None
+            )
         with pytest.raises(InvalidArgument, match="not a buffer"):
-            client.get(SCOPE, keys, [good[0], 42])  # type: ignore[list-item]
+            client.get(SCOPE, keys, [good[0], 42], tokens=None)  # type: ignore[list-item]
         with pytest.raises(InvalidArgument, match="exactly one"):
             client.delete()
         with pytest.raises(InvalidArgument, match="exactly one"):
@@ -551,7 +553,7 @@ def test_round_trip_over_grpc(served: Served) -> None:
 
         into = [bytearray(PAGE_BYTES + 10) for _ in range(4)]
         missing_key = bytes(16)
-        result = client.get(SCOPE, [keys[0], keys[1], missing_key, keys[2]], into)
+        result = client.get(SCOPE, [keys[0], keys[1], missing_key, keys[2]], into, tokens=None)
         assert result.headers[2] is None
         assert [h.key if h else None for h in result.headers] == [keys[0], keys[1], None, keys[2]]
         assert (result.hit_count, result.prefix_hits) == (3, 2)
@@ -590,11 +592,11 @@ def test_get_drops_and_counts_corrupt_pages(served: Served) -> None:
         served.store.flip_payload.add(keys[1])
         served.store.swap_header.add(keys[2])
         into = [bytearray(PAGE_BYTES) for _ in range(3)]
-        result = client.get(SCOPE, keys, into)
+        result = client.get(SCOPE, keys, into, tokens=None)
         assert result.headers[0] is not None and result.headers[1:] == (None, None)
         assert client.corrupt_pages == 2
         # Without verification the flipped payload is delivered; the wrong header never is.
-        unverified = client.get(SCOPE, keys, into, verify=False)
+        unverified = client.get(SCOPE, keys, into, tokens=None, verify=False)
         assert unverified.headers[1] is not None and unverified.headers[2] is None
         assert into[1][0] == payload(1)[0] ^ 1
         assert client.corrupt_pages == 3
@@ -610,7 +612,7 @@ def test_idempotent_calls_retry_and_others_do_not(served: Served) -> None:
         assert client.lookup(SCOPE, keys).hit_count == 0
         assert store.calls["NodeInfo"] == 2 and store.calls["Lookup"] == 2
         into = [bytearray(PAGE_BYTES), bytearray(PAGE_BYTES)]
-        assert client.get(SCOPE, keys, into).hit_count == 0
+        assert client.get(SCOPE, keys, into, tokens=None).hit_count == 0
         assert store.calls["Get"] == 2
         store.failures["Put"].append(Failure(grpc.StatusCode.UNAVAILABLE, "restarting"))
         with pytest.raises(Unavailable, match="restarting"):
@@ -673,7 +675,7 @@ def test_calls_are_batched_by_the_node_key_limit(served: Served) -> None:
         client.delete(keys=[keys[3]])
         assert client.lookup(SCOPE, keys).hit_count == 3
         assert served.store.calls["Lookup"] == 3 + 2  # stops at the first short batch
-        result = client.get(SCOPE, keys, [bytearray(PAGE_BYTES) for _ in keys])
+        result = client.get(SCOPE, keys, [bytearray(PAGE_BYTES) for _ in keys], tokens=None)
         assert [h is not None for h in result.headers] == [True, True, True, False, True]
         assert served.store.calls["Get"] == 3
 
@@ -776,7 +778,8 @@ keys = {[p.header.key for p in pages]!r}
 client = StoreClient({served.address!r}, timeout_s=20)
 def work(i):
     into = [bytearray(scope.page_payload_bytes) for _ in keys]
-    return client.lookup(scope, keys).hit_count + client.get(scope, keys, into).hit_count
+    got = client.get(scope, keys, into, tokens=None)
+    return client.lookup(scope, keys).hit_count + got.hit_count
 jobs = [gevent.spawn(work, i) for i in range(8)]
 gevent.joinall(jobs, timeout=30, raise_error=True)
 print("results", sorted(job.value for job in jobs))
@@ -800,7 +803,7 @@ def test_async_client_round_trip_and_errors(served: Served) -> None:
     async def scenario() -> None:
         async with AsyncStoreClient(served.address) as client:
             with pytest.raises(InvalidArgument):
-                await client.get(SCOPE, keys, [bytearray(1)] * 3)
+                await client.get(SCOPE, keys, [bytearray(1)] * 3, tokens=None)
             assert sum(store.calls.values()) == 0
             node = await client.connect()
             assert node.node_id == "canned-1" and client.transport == "grpc"
@@ -810,7 +813,7 @@ def test_async_client_round_trip_and_errors(served: Served) -> None:
             assert (await client.lookup(SCOPE, keys)).hit_count == 3
             into = [bytearray(PAGE_BYTES) for _ in keys]
             store.flip_payload.add(keys[2])
-            result = await client.get(SCOPE, keys, into)
+            result = await client.get(SCOPE, keys, into, tokens=None)
             assert result.prefix_hits == 2 and result.headers[2] is None
             assert client.corrupt_pages == 1
             assert bytes(into[1]) == payload(1)

@@ -33,6 +33,7 @@ from client import (
     WritableBuffer,
     page_keys,
 )
+from client.types import checked_tokens, match_tokens
 from engine.colocated import ColocatedWorker
 from engine.decode import DecodeWorker
 from engine.errors import EngineBusy, EngineStopping, InvalidRequest
@@ -87,10 +88,12 @@ class MemoryStore:
         keys: Sequence[bytes],
         into: Sequence[WritableBuffer],
         *,
+        tokens: Sequence[Sequence[int]] | None,
         io_class: IoClass | None = None,
         verify: bool | None = None,
     ) -> GetResult:
         self._check("get", io_class)
+        expected = checked_tokens(scope, keys, tokens)
         headers: list[PageHeader | None] = []
         for i, key in enumerate(keys):
             entry = self.pages.get(key)
@@ -102,7 +105,9 @@ class MemoryStore:
                 header, payload = self.serve(i, header, payload)
             memoryview(into[i]).cast("B")[: len(payload)] = payload
             headers.append(header)
-        return GetResult(tuple(headers))
+        # the SDK's check of the caller's tokens (StoreClient.get), on whatever `serve` served
+        checked, rejected = match_tokens(scope, headers, expected)
+        return GetResult(checked, rejected)
 
     def put(
         self,

@@ -11,8 +11,10 @@ import pytest
 
 from engine.router.core import (
     Admission,
+    Candidate,
     DecodeCoeffs,
     DispatchLedger,
+    PendingJoin,
     Placement,
     PrefillCoeffs,
     PrefixHit,
@@ -27,7 +29,8 @@ from engine.router.core import (
     build_policy,
     explain,
 )
-from engine.router.core.estimate import estimate_prefill
+from engine.router.core.estimate import batch_step_s, decode_load, estimate_prefill
+from engine.router.core.types import CandidateList
 
 pytestmark = pytest.mark.unit
 
@@ -289,3 +292,87 @@ def test_a_full_hit_still_computes_the_last_token() -> None:
     req = request(prompt=PAGE * 8, hit_pages=8)
     est = estimate_prefill(req, prefill("a:1", "A"), MODEL)
     assert est.hit_tokens_used == PAGE * 7 and est.compute_s > 0
+
+
+def test_steps_at_gives_the_step_of_the_joined_batch_for_every_join() -> None:
+    """DecodeLoad.steps_at (the strata policy's batched pricing) equals pricing each join with
+    `joined` + `batch_step_s` (as estimate_tpot does), exactly, with departures, ledger joins,
+    a batch past max_batch, a life given or taken at the join."""
+    rng = random.Random(5)
+    now = 10.0
+    for case in range(300):
+        running = rng.randrange(0, 40)
+        view = WorkerView(
+            "d:1",
+            Role.decode,
+            "A",
+            "m",
+            PAGE,
+            running_requests=running,
+            running_context_tokens=running * rng.randrange(1, 4000),
+            max_batch=rng.choice((1, 4, 16, 64)),
+            report_age_s=rng.choice((0.0, rng.uniform(0.0, 0.5))),
+            running_remaining_tokens=tuple(
+                rng.randrange(0, 500) for _ in range(rng.choice((0, running, running // 2)))
+            ),
+            pending_joins=tuple(
+                PendingJoin(
+                    f"j{k}",
+                    now + rng.uniform(-0.5, 3),
+                    rng.randrange(1, 3000),
+                    rng.randrange(1, 300),
+                )
+                for k in range(rng.randrange(0, 4))
+            ),
+        )
+        load = decode_load(view, MODEL, now)
+        own, max_tokens = rng.uniform(1.0, 5000.0), rng.randrange(1, 512)
+        joins = [
+            now + rng.choice((0.0, rng.uniform(-0.2, 4.0))) for _ in range(rng.randrange(1, 6))
+        ]
+        life = rng.choice((None, 0.0, rng.uniform(0.01, 20.0)))
+        want = []
+        for join in joins:
+            running_at, context_at = load.joined(MODEL, own, max_tokens, join, life)
+            want.append(batch_step_s(MODEL, running_at + 1.0, context_at + own, view.max_batch))
+        assert load.steps_at(MODEL, own, max_tokens, joins, life) == want, case
+
+
+def test_a_candidate_list_is_built_once_and_only_when_read() -> None:
+    cands = tuple(
+        Candidate(f"p{i}:1", "d:1", 0.1 * i, 0.01, 0.1 * i + 1.0, "" if i == 0 else "lost")
+        for i in range(3)
+    )
+    calls = []
+
+    def build() -> tuple[Candidate, ...]:
+        calls.append(1)
+        return cands
+
+    lazy = CandidateList(3, build)
+    assert len(lazy) == 3 and bool(lazy) and not calls  # the length builds nothing
+    assert lazy[0] is cands[0] and list(lazy) == list(cands) and lazy == cands
+    assert lazy[1:] == cands[1:] and lazy[-1] is cands[2]
+    assert calls == [1]  # built once
+    with pytest.raises(AssertionError, match="announced 4"):
+        list(CandidateList(4, build))
+    with pytest.raises(ValueError, match="at least its winner"):
+        CandidateList(0, build)
+
+
+def test_strata_builds_its_explanation_only_when_asked() -> None:
+    """A placement's candidates are priced numbers until read; read, they are the full record
+    (every candidate with its cost parts, the winner first, each loser with a reason)."""
+    workers = [prefill(f"p{i}:1", h) for i, h in enumerate("ABCD")] + [
+        decode(f"d{i}:1", h, running_requests=i * 4, running_context_tokens=i * 4000)
+        for i, h in enumerate("ABCD")
+    ]
+    out = place("strata", request(), workers)
+    assert isinstance(out.candidates, CandidateList)
+    assert out.candidates._items is None  # nothing built by placing
+    info = explain(out)
+    cands = info["candidates"]
+    assert isinstance(cands, list) and len(cands) == len(out.candidates)
+    assert cands[0]["rejected_because"] == "" and cands[0]["prefill"] == out.prefill_id
+    assert all(c["rejected_because"] for c in cands[1:])
+    assert {c["prefill"] for c in cands} == {f"p{i}:1" for i in range(4)}

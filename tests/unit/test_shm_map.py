@@ -486,15 +486,15 @@ def test_put_and_get_through_shared_memory(same_host: Served, segment: Segment) 
             PutStatus.STORED,
         )
         into = [bytearray(PAGE_BYTES) for _ in range(4)]
-        result = client.get(SCOPE, [*keys, bytes(16)], into)
+        result = client.get(SCOPE, [*keys, bytes(16)], into, tokens=None)
         assert [h.key if h else None for h in result.headers] == [*keys, None]
         assert [bytes(b) for b in into[:3]] == [payload(0), payload(1), payload(2)]
         assert client.corrupt_pages == 0
         # A payload corrupted in DRAM is delivered unless verification is asked for.
         with open(segment_path(segment.name), "r+b") as fh:
             fh.write(bytes([payload(0)[0] ^ 1]))
-        assert client.get(SCOPE, keys[:1], into[:1]).hit_count == 1
-        assert client.get(SCOPE, keys[:1], into[:1], verify=True).hit_count == 0
+        assert client.get(SCOPE, keys[:1], into[:1], tokens=None).hit_count == 1
+        assert client.get(SCOPE, keys[:1], into[:1], tokens=None, verify=True).hit_count == 0
         assert client.corrupt_pages == 1
         # Another tier than DRAM goes over the gRPC data path.
         assert client.put(SCOPE, pages[:1], tier=Tier.SSD).stored == 1
@@ -559,7 +559,7 @@ def test_a_restarted_daemon_is_noticed_and_reconnected(same_host: Served, segmen
         os.unlink(path)
         create_segment_file(segment.name, SIZE)  # what a restarted daemon does
         with pytest.raises(Unavailable, match="restarted"):
-            client.get(SCOPE, [pages[0].header.key], [bytearray(PAGE_BYTES)])
+            client.get(SCOPE, [pages[0].header.key], [bytearray(PAGE_BYTES)], tokens=None)
         assert client.lookup(SCOPE, [pages[0].header.key]).hit_count == 1
         assert client.transport == "shm"
     assert same_host.store.calls["NodeInfo"] == 2
@@ -577,7 +577,7 @@ def test_async_client_through_shared_memory(same_host: Served, segment: Segment)
             assert client.transport == "shm"
             assert (await client.put(SCOPE, pages)).stored == 2
             into = [bytearray(PAGE_BYTES) for _ in keys]
-            result = await client.get(SCOPE, keys, into)
+            result = await client.get(SCOPE, keys, into, tokens=None)
             assert result.prefix_hits == 2
             assert [bytes(b) for b in into] == [payload(0), payload(1)]
             store.fail_commit = True

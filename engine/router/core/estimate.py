@@ -131,11 +131,17 @@ class PrefillPricer:
         self._hit_tokens = plan.pages * request.page_tokens
         self._missed = request.prompt_tokens - self._hit_tokens
         self._compute = model.prefill_s(self._missed, self._hit_tokens) if plan.pages else 0.0
-        # per tier: its pages, {host: pages}, and the lines of its same-host and remote paths
-        self._lines = tuple(
-            (pages, hosts, model.pull_coeffs(tier, True), model.pull_coeffs(tier, False))
-            for tier, pages, hosts in plan.by_tier
-        )
+        # per tier: its pages, {host: pages}, and the (fixed, per byte) lines of its same-host
+        # and remote paths; none when nothing is pulled (no pull profile, or no page bytes)
+        lines = []
+        if request.page_bytes > 0 and model.pulls:
+            for tier, pages, hosts in plan.by_tier:
+                same, remote = model.pull_coeffs(tier, True), model.pull_coeffs(tier, False)
+                assert same is not None and remote is not None  # the model has pulls
+                lines.append(
+                    (pages, hosts, same.fixed_s, same.s_per_byte, remote.fixed_s, remote.s_per_byte)
+                )
+        self._lines = tuple(lines)
         self._pulls: dict[str, float] = {}
 
     def pull_s(self, host_id: str) -> float:
@@ -147,12 +153,12 @@ class PrefillPricer:
             return found
         pull = 0.0
         size = self._size
-        for pages, hosts, same, remote in self._lines:
+        for pages, hosts, same_fixed, same_per_byte, remote_fixed, remote_per_byte in self._lines:
             local = hosts.get(host_id, 0)
-            if local and same is not None and local * size > 0:
-                pull += same.fixed_s + same.s_per_byte * (local * size)
-            if pages > local and remote is not None and (pages - local) * size > 0:
-                pull += remote.fixed_s + remote.s_per_byte * ((pages - local) * size)
+            if local:
+                pull += same_fixed + same_per_byte * (local * size)
+            if pages > local:
+                pull += remote_fixed + remote_per_byte * ((pages - local) * size)
         self._pulls[host_id] = pull
         return pull
 
@@ -191,14 +197,16 @@ def estimate_prefill(
 
 class DecodeLoad(NamedTuple):
     """A decode worker's batch over time, as predicted from its view. Built once per worker and
-    decision by `decode_load`, then asked for many windows (`over`, `joined`). Immutable; a
-    named tuple rather than a frozen dataclass because a policy builds one for every decode
-    worker in every decision, and a frozen dataclass takes several times longer to build.
+    decision by `decode_load`, then asked for many windows (`over`, `joined`, `steps_at`).
+    Immutable; a named tuple rather than a frozen dataclass because a policy builds one for
+    every decode worker in every decision, and a frozen dataclass takes several times longer to
+    build.
 
     - `steady` requests (with `steady_context` tokens) stay throughout;
-    - running requests with a known end: present from the report until `ends[i]` (sorted), each
-      with `each_context` tokens (`ends_sum[i]` = sum of the first i ends, for a window's overlap
-      in a bisection instead of a loop);
+    - running requests with a known end, each with `each_context` tokens: request i is there
+      from the report until `reported_at_s + remaining[i] * step_s` (`remaining` sorted, in
+      tokens; `remaining_sum[i]` = the sum of the first i, so a window's overlap is a bisection
+      and a difference of integers, not a loop and no sum of large absolute times);
     - `spans` (since, until, context tokens): the ledger's joins, each there for a while.
     """
 
@@ -206,8 +214,9 @@ class DecodeLoad(NamedTuple):
     steady_context: float
     reported_at_s: float
     each_context: float
-    ends: tuple[float, ...]
-    ends_sum: tuple[float, ...]
+    remaining: tuple[int, ...]
+    remaining_sum: tuple[int, ...]
+    step_s: float
     spans: tuple[tuple[float, float, float], ...]
     max_batch: int
 
@@ -215,16 +224,19 @@ class DecodeLoad(NamedTuple):
         """(requests, context tokens) averaged over [start_s, end_s] (at start_s if equal)."""
         requests, tokens = self.steady, self.steady_context
         span = end_s - start_s
-        ends = self.ends
-        if ends:
-            start = start_s if start_s > self.reported_at_s else self.reported_at_s
-            first = bisect_right(ends, start)  # ends[first:] are still there at `start`
+        remaining = self.remaining
+        if remaining:
+            reported, step = self.reported_at_s, self.step_s
+            start = start_s if start_s > reported else reported
+            # remaining[first:] end after `start`, remaining[last:] outlast the window
+            first = bisect_right(remaining, (start - reported) / step)
             if span <= 0:
-                present = float(len(ends) - first)
+                present = float(len(remaining) - first)
             else:
-                last = bisect_right(ends, end_s, lo=first)  # ends[last:] outlast the window
-                inside = self.ends_sum[last] - self.ends_sum[first] - (last - first) * start
-                present = (inside + (len(ends) - last) * (end_s - start)) / span
+                last = bisect_right(remaining, (end_s - reported) / step, first)
+                sums = self.remaining_sum
+                inside = (last - first) * (reported - start) + step * (sums[last] - sums[first])
+                present = (inside + (len(remaining) - last) * (end_s - start)) / span
             requests += present
             tokens += present * self.each_context
         if span <= 0:
@@ -276,13 +288,13 @@ class DecodeLoad(NamedTuple):
         request with `own_context` tokens and `max_tokens` to generate joins then, itself
         included (`batch_step_s`). The same numbers as `joined` gives, computed in one loop: a
         policy asks this for every pair it prices."""
-        steady, steady_context, each = self.steady, self.steady_context, self.each_context
-        ends, sums, spans, reported = self.ends, self.ends_sum, self.spans, self.reported_at_s
-        count = len(ends)
+        (steady, steady_context, reported, each, remaining, sums, per_token, spans, max_batch) = (
+            self
+        )
+        count = len(remaining)
         decode = model.decode
         fixed, per_request = decode.fixed_s, decode.per_request_s
         per_context = decode.per_context_token_s
-        max_batch = self.max_batch
         cap = max_batch if max_batch > 1 else 1
         out: list[float] = []
         for join in joins:
@@ -292,7 +304,7 @@ class DecodeLoad(NamedTuple):
             start = join
             if count:
                 start = join if join > reported else reported
-                first = bisect_right(ends, start)
+                first = bisect_right(remaining, (start - reported) / per_token)
                 present = float(count - first)
                 requests += present
                 tokens += present * each
@@ -311,8 +323,10 @@ class DecodeLoad(NamedTuple):
                 # over(join, join + life): the batch over the request's life
                 running, context = steady, steady_context
                 if count:
-                    last = bisect_right(ends, end, first)
-                    inside = sums[last] - sums[first] - (last - first) * start
+                    last = bisect_right(remaining, (end - reported) / per_token, first)
+                    inside = (last - first) * (reported - start) + per_token * (
+                        sums[last] - sums[first]
+                    )
                     present = (inside + (count - last) * (end - start)) / span
                     running += present
                     context += present * each
@@ -344,16 +358,13 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
     joins = worker.pending_joins
     reported_at = now - worker.report_age_s
     steady, steady_context, each = float(running), float(context), 0.0
-    ends: list[float] = []
-    step = model.decode_step_s(max(running, 1), context)
+    remaining: list[int] = []
+    step = model.decode.seconds(running if running > 1 else 1, context)
     if worker.running_remaining_tokens and running > 0 and step > 0:
         each = context / running
-        # step > 0: ordering the remaining token counts orders the end times
         remaining = sorted(worker.running_remaining_tokens[:running])
-        ends = [reported_at + r * step for r in remaining]
-        steady = float(running - len(ends))
+        steady = float(running - len(remaining))
         steady_context = each * steady
-    sums = tuple(accumulate(ends, initial=0.0))
     spans: list[tuple[float, float, float]] = []
     if joins:
         joining = 0
@@ -369,8 +380,9 @@ def decode_load(worker: WorkerView, model: TimeModel, now: float) -> DecodeLoad:
         steady_context,
         reported_at,
         each,
-        tuple(ends),
-        sums,
+        tuple(remaining),
+        tuple(accumulate(remaining, initial=0)),
+        float(step),
         tuple(spans),
         worker.max_batch,
     )
