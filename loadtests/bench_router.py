@@ -404,9 +404,13 @@ def run(opts: Options, workdir: Path) -> dict[str, object]:
         "decisions": {
             "workers": opts.decision_workers,
             "policy_alone_per_s": alone.per_s,
+            "policy_alone_per_cpu_s": alone.per_cpu_s,  # per CPU second of this process
+            "policy_alone_cpu_us": alone.cpu_us,
             "policy_alone_candidates": alone.candidates_per_decision,
             "core_decide_per_s": full.per_s,
+            "core_decide_per_cpu_s": full.per_cpu_s,
             "colocated_policy_alone_per_s": colo_alone.per_s,
+            "colocated_policy_alone_per_cpu_s": colo_alone.per_cpu_s,
             "what": "strata policy on synthetic views; RouterCore.decide adds ledger + admission",
         },
         "added_latency": added,
@@ -490,16 +494,17 @@ def print_table(result: dict[str, object]) -> None:
     print(f"| streamed TTFT p50 | {st['router']['p50_ms']:.2f} ms | {st['direct']['p50_ms']:.2f} ms "
           f"| {st['added_p50_ms']:+.2f} ms | {st['ratio_p50']:.3f} "
           f"| <= {TARGET_STREAM_RATIO:g}x: {met('ttft_ratio_streamed')} |\n")  # fmt: skip
-    print("| decisions/s, pure core | per second | candidates priced | target |")
-    print("|---|---|---|---|")
+    print("| decisions/s, pure core | per second | per CPU second | candidates priced | target |")
+    print("|---|---|---|---|---|")
     print(f"| strata policy alone, {dec['workers']} workers (half prefill, half decode) "
-          f"| {dec['policy_alone_per_s']:,.0f} | {dec['policy_alone_candidates']:.0f} "
+          f"| {dec['policy_alone_per_s']:,.0f} | {dec['policy_alone_per_cpu_s']:,.0f} "
+          f"| {dec['policy_alone_candidates']:.0f} "
           f"| >= {TARGET_DECISIONS:,.0f}: {met('decisions_per_s')} |")  # fmt: skip
-    print(
-        f"| RouterCore.decide (ledger + admission), same workers | {dec['core_decide_per_s']:,.0f} | | |"
-    )
+    print(f"| RouterCore.decide (ledger + admission), same workers | {dec['core_decide_per_s']:,.0f} "
+          f"| {dec['core_decide_per_cpu_s']:,.0f} | | |")  # fmt: skip
     print(f"| strata policy alone, {dec['workers']} co-located workers "
-          f"| {dec['colocated_policy_alone_per_s']:,.0f} | | |\n")  # fmt: skip
+          f"| {dec['colocated_policy_alone_per_s']:,.0f} "
+          f"| {dec['colocated_policy_alone_per_cpu_s']:,.0f} | | |\n")  # fmt: skip
     print(
         "| policy | TTFT p50 | p90 | p99 | mean | ok / sent | p50 vs round_robin | p90 vs round_robin |"
     )
