@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 
 import grpc
-from fuzz.rpc_calls import SERVICE, Watcher, audit, healthy
+from fuzz.rpc_calls import SERVICE, Watcher, audit, healthy, private_channel
 from fuzz.rpc_strategies import FUZZ_SCOPE, OTHER_SCOPE, World
 
 from client import KVLayout, Scope, StoreClient, build_pages
@@ -153,7 +153,8 @@ class LiveDaemon:
         assert healthy(self.channel, 10.0, ops) is None
         assert not self.watcher.error, self.watcher.error
         scopes = {**self.world.scopes, LEGIT_SCOPE.digest: LEGIT_SCOPE}
-        report = audit(self.channel, self.watcher.live(), scopes, metadata=ops)
+        with private_channel(self.address) as channel:
+            report = audit(channel, self.watcher.live(), scopes, metadata=ops)
         assert not report.bad, report.bad[:10]
         assert report.served >= len(self.legit)
         print(f"audit: {report.served} pages served, all well-formed; {report.missing} misses")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -265,6 +266,12 @@ def _page_problem(
     return None
 
 
+def private_channel(address: str) -> grpc.Channel:
+    """A channel with its own connection (the daemon limits streams per connection: the audit
+    must not queue behind what the fuzzer left open)."""
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
 def audit(
     channel: grpc.Channel,
     live: Mapping[bytes, bytes],
@@ -290,9 +297,12 @@ def audit(
         for start in range(0, len(keys), batch):
             part = keys[start : start + batch]
             request = pb.GetRequest(scope_digest=digest, scope=scope.encode(), keys=b"".join(part))
-            outcome = send(
-                channel, Call("Get", (request.SerializeToString(),)), timeout_s, metadata
-            )
+            get = Call("Get", (request.SerializeToString(),))
+            for _ in range(50):  # a busy daemon refuses streams for a while: bounded retries
+                outcome = send(channel, get, timeout_s, metadata)
+                if outcome.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    break
+                time.sleep(0.1)
             if outcome.code is not grpc.StatusCode.OK:
                 report.bad.append(f"audit Get: {outcome.code.name} {outcome.details[:200]!r}")
                 continue

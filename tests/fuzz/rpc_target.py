@@ -73,7 +73,16 @@ with atheris.instrument_imports(include=["kvstore", "client"]):
     from kvstore.config import load_config
     from kvstore.server import Daemon
 
-from fuzz.rpc_calls import KINDS, METHODS, Call, audit, check, healthy, send
+from fuzz.rpc_calls import (
+    KINDS,
+    METHODS,
+    Call,
+    audit,
+    check,
+    healthy,
+    private_channel,
+    send,
+)
 from fuzz.rpc_strategies import FUZZ_SCOPE, OTHER_SCOPE, World, fresh_pages, seed_calls
 
 from kvstore_pb import store_pb2 as pb
@@ -170,7 +179,8 @@ class Live:
                 e.key: e.scope_digest for e in (store.index.get(k) for k in store.index_keys()) if e
             }
         scopes = {**self.world.scopes, self.legit_scope.digest: self.legit_scope}
-        report = audit(self.channel, live, scopes)
+        with private_channel(self.address) as channel:
+            report = audit(channel, live, scopes)
         assert not report.bad, report.bad[:5]
         into = [bytearray(self.legit_scope.page_payload_bytes) for _ in self.legit]
         got = self.client.get(
