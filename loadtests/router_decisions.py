@@ -27,6 +27,7 @@ magnitude); they change which worker wins, not what a decision costs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -132,6 +133,19 @@ def synthetic_requests(rng: random.Random, count: int, hosts: int) -> tuple[Requ
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=8)
+def synthetic_inputs(
+    workers: int, hosts: int, colocated: bool, snapshots: int, requests: int, seed: int
+) -> tuple[TimeModel, tuple[tuple[WorkerView, ...], ...], tuple[RequestView, ...]]:
+    """The time model, `snapshots` worker snapshots and `requests` requests of a run, from
+    `seed` (all frozen, so runs with the same arguments share them)."""
+    rng = random.Random(seed)
+    views = tuple(
+        synthetic_workers(rng, workers, hosts, colocated=colocated) for _ in range(snapshots)
+    )
+    return synthetic_model(), views, synthetic_requests(rng, requests, hosts)
+
+
 @dataclass(frozen=True, slots=True)
 class DecisionRate:
     """`decisions` made in `seconds` of wall time and `cpu_seconds` of this process's CPU time,
@@ -187,10 +201,7 @@ def measure_one(
         raise ValueError(f"need at least 2 workers (a prefill and a decode), got {workers}")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (known: {', '.join(MODES)})")
-    rng = random.Random(seed)
-    model = synthetic_model()
-    views = [synthetic_workers(rng, workers, hosts, colocated=colocated) for _ in range(snapshots)]
-    reqs = synthetic_requests(rng, requests, hosts)
+    model, views, reqs = synthetic_inputs(workers, hosts, colocated, snapshots, requests, seed)
     layout = (
         "co-located" if colocated else f"{workers // 2} prefill + {workers - workers // 2} decode"
     )
@@ -261,12 +272,15 @@ def measure(
 ) -> tuple[DecisionRate, DecisionRate]:
     """(policy alone, full RouterCore.decide) for `policy` over `workers` synthetic workers (see
     `measure_one`)."""
-    common = {
-        "policy": policy, "workers": workers, "hosts": hosts, "colocated": colocated,
-        "min_seconds": min_seconds, "max_decisions": max_decisions, "snapshots": snapshots,
-        "requests": requests, "seed": seed,
-    }  # fmt: skip
-    return measure_one(mode="alone", **common), measure_one(mode="decide", **common)  # type: ignore[arg-type]
+    rates = [
+        measure_one(
+            policy=policy, mode=mode, workers=workers, hosts=hosts, colocated=colocated,
+            min_seconds=min_seconds, max_decisions=max_decisions, snapshots=snapshots,
+            requests=requests, seed=seed,
+        )
+        for mode in ("alone", "decide")
+    ]  # fmt: skip
+    return rates[0], rates[1]
 
 
 # ---- strata bench decisions -------------------------------------------------------------------

@@ -21,6 +21,7 @@ commands:
   bench tls          remote store get/put and first call over TLS vs plaintext (TCP, gRPC)
   bench isolation    critical gets under a background flood, DRAM gets with a slow disk, vs idle
   bench router       router added latency vs direct, decisions/s, TTFT by policy, prediction error
+  bench decisions    placement policies' decisions/s on 16 synthetic workers, wall and per CPU s
   drill              router operator drills: prefill pool down, half the decode pool down, 1% loss
   chaos              store load while faults are injected; checks no page is served wrong
   fuzz [--target T]  longer fuzzing (T: page codec, or a live daemon's rpc|lane|tcp): atheris
@@ -49,7 +50,7 @@ def _serve(argv: Sequence[str]) -> int:
 
 def _bench(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: strata bench store|cluster|engine|keys|auth|tls|isolation|router [--help]")
+        print("usage: strata bench store|cluster|engine|keys|auth|tls|isolation|router|decisions [--help]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "auth":
@@ -84,8 +85,12 @@ def _bench(argv: Sequence[str]) -> int:
         from loadtests.bench_router import main as router_main
 
         return router_main(rest)
+    if what == "decisions":
+        from loadtests.router_decisions import main as decisions_main
+
+        return decisions_main(rest)
     print(
-        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, keys, auth, tls, isolation, router)", file=sys.stderr
+        f"strata bench: unknown benchmark {what!r} (known: store, cluster, engine, keys, auth, tls, isolation, router, decisions)", file=sys.stderr
     )
     return 2
 
