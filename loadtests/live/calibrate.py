@@ -21,7 +21,10 @@ the measurements into the simulator's terms:
   modelled pull of its prompt's pages (the decode RPC, the wait for the pages to publish);
 - contention: a long stream while prefill-only requests run back to back: its time per token
   while a prefill computes over its time per token otherwise (`decode_contention`), and those
-  prefills' compute over the fitted prefill (`prefill_contention`), each at least 1.
+  prefills' compute over the fitted prefill (`prefill_contention`), each at least 1;
+- jitter: each alone prefill's compute over the fit (`prefill_jitter`, sorted): on a machine
+  shared with other work the same prefill takes from about the fit to several times it, and a
+  p50 over a run is moved by that skew; the simulator draws each prefill's multiplier from it.
 
 The pulls stay the profile's (measured against the store daemon by `strata up`).
 """
@@ -60,18 +63,20 @@ class CalibrationError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class CalibrationPlan:
     """What to send: prompt lengths for the prefill fit (each alone and after a cached prefix
-    of `cached_tokens`), decode batches at each context, streams of `decode_tokens` tokens,
+    of `cached_tokens` with `extension_lengths` new tokens: a hit leaves few to compute),
+    decode batches at each context, streams of `decode_tokens` tokens,
     `contention_prefills` back-to-back prefills against a stream of `contention_tokens`."""
 
     prompt_lengths: tuple[int, ...]
     cached_tokens: int
     decode_contexts: tuple[int, ...]
+    extension_lengths: tuple[int, ...] = ()
     decode_batches: tuple[int, ...] = (1, 2, 4)
     decode_tokens: int = 32
     contention_tokens: int = 64
     contention_prefills: int = 6
     contention_rounds: int = 2
-    reps: int = 3
+    reps: int = 4
     vocab_size: int = 512
     token_low: int = 3
 
@@ -88,10 +93,11 @@ def plan_for(
         return max(1, ordered[min(len(ordered) - 1, int(f * len(ordered)))])
 
     lengths = tuple(sorted({q(0.05), q(0.3), q(0.6), q(0.95)}))
-    cached = max(page_tokens, (q(0.5) // 2) // page_tokens * page_tokens)
+    cached = max(page_tokens, (3 * q(0.5) // 4) // page_tokens * page_tokens)
     return CalibrationPlan(
         prompt_lengths=lengths,
         cached_tokens=cached,
+        extension_lengths=tuple(sorted({page_tokens, 2 * page_tokens, lengths[0], lengths[1]})),
         decode_contexts=tuple(sorted({q(0.25), q(0.9)})),
         vocab_size=vocab_size,
         token_low=token_low,
@@ -117,26 +123,40 @@ class Calibration:
     handoff_s: float
     prefill_contention: float
     decode_contention: float
+    prefill_jitter: tuple[float, ...]  # each alone prefill's compute over the fit, sorted
     requests: int  # calibration requests sent
 
-    def terms(self) -> dict[str, float]:
+    def terms(self) -> dict[str, float | tuple[float, ...]]:
         return {
             "request_overhead_s": self.request_overhead_s,
             "token_overhead_s": self.token_overhead_s,
             "handoff_s": self.handoff_s,
             "prefill_contention": self.prefill_contention,
             "decode_contention": self.decode_contention,
+            "prefill_jitter": self.prefill_jitter,
         }
 
-    def summary(self) -> str:
+    def jitter_summary(self) -> str:
+        j = self.prefill_jitter
+        if not j:
+            return "none"
+        p10, p50, p90 = (j[min(len(j) - 1, int(q * len(j)))] for q in (0.1, 0.5, 0.9))
+        return f"p10 {p10:.2f}, p50 {p50:.2f}, p90 {p90:.2f} ({len(j)} samples)"
+
+    def model_summary(self) -> str:
         p, d = self.model.prefill, self.model.decode
         return (
             f"prefill {p.fixed_s * 1e3:.1f} ms + {p.per_token_s * 1e3:.3f} ms/token; decode step "
             f"{d.fixed_s * 1e3:.1f} ms + {d.per_request_s * 1e3:.2f} ms/request + "
-            f"{d.per_context_token_s * 1e6:.2f} us/context token (end to end); request overhead "
-            f"{self.request_overhead_s * 1e3:.1f} ms; hand-off {self.handoff_s * 1e3:.1f} ms; "
-            f"contention: prefill x{self.prefill_contention:.2f}, decode x"
-            f"{self.decode_contention:.2f} ({self.requests} requests)"
+            f"{d.per_context_token_s * 1e6:.2f} us/context token (end to end)"
+        )
+
+    def summary(self) -> str:
+        return (
+            f"{self.model_summary()}; request overhead {self.request_overhead_s * 1e3:.1f} ms; "
+            f"hand-off {self.handoff_s * 1e3:.1f} ms; contention: prefill "
+            f"x{self.prefill_contention:.2f}, decode x{self.decode_contention:.2f}; prefill "
+            f"jitter {self.jitter_summary()} ({self.requests} requests)"
         )
 
 
@@ -167,12 +187,16 @@ def measure(send: Send, plan: CalibrationPlan, progress: Progress = lambda _: No
     for length in plan.prompt_lengths:
         for _ in range(plan.reps):
             prefill.append(_ok(send(prompts.fresh(length), 1)))
+    for length in plan.extension_lengths or plan.prompt_lengths:
+        for _ in range(plan.reps):
             base = prompts.fresh(plan.cached_tokens)
             extra = prompts.fresh(max(1, length))
             _ok(send(base, 1))  # the prefix, published for the next request to hit
             prefill.append(_ok(send(base + extra, 1)))
     progress(
-        f"prefill: {len(prefill)} requests at {', '.join(map(str, plan.prompt_lengths))} tokens"
+        f"prefill: {len(prefill)} requests, {', '.join(map(str, plan.prompt_lengths))} tokens "
+        f"alone and {', '.join(map(str, plan.extension_lengths or plan.prompt_lengths))} after "
+        f"{plan.cached_tokens} cached"
     )
     decode: list[tuple[int, tuple[RequestRecord, ...]]] = []
     for context in plan.decode_contexts:
@@ -386,6 +410,16 @@ def fit(
         max(1.0, statistics.median(in_rates) / statistics.median(out_rates)) if in_rates else 1.0
     )
     prefill_c = max(1.0, statistics.median(pre_ratios)) if pre_ratios else 1.0
+    # how far each alone prefill was from the fit: this machine's speed from one request to
+    # the next (shared with other work, it is skewed to the slow side)
+    jitter = tuple(
+        sorted(
+            r.breakdown.prefill_s / e
+            for r in m.prefill
+            if (e := model.prefill_s(r.prompt_tokens - _hit(r), _hit(r))) > 0
+            and r.breakdown.prefill_s > 0
+        )
+    )
     count = (
         len(m.prefill) + sum(len(s) for _, s in m.decode) + sum(1 + len(p) for _, p in m.contention)
     )
@@ -396,5 +430,6 @@ def fit(
         handoff_s=max(0.0, handoff),
         prefill_contention=prefill_c,
         decode_contention=decode_c,
+        prefill_jitter=jitter,
         requests=count,
     )

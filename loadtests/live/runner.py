@@ -18,9 +18,10 @@ evictions are the store daemon's counters (its Prometheus metrics, which `--up` 
 latency split from the response body's `strata_timings`). `--fresh-prefixes` gives each rate
 the workload's prompts under a token-id shift of its own (a bijection of the vocabulary, so each
 rate shares within itself exactly as the workload does, and nothing with the rates before it).
-`--validate CLUSTER.toml` (with `--up` and `--rates`) measures the serving path first
-(`calibrate.py`), runs the rates with fresh prefixes, simulates the same requests on the
-cluster with the measured terms and writes both into one report (`validation.py`).
+`--validate CLUSTER.toml` (with `--up` and `--rates`) measures the serving path just before
+each rate (`calibrate.py`), runs the rates with fresh prefixes, simulates the same requests on
+the cluster with the terms measured before each and writes both into one report
+(`validation.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
 import sys
 import tempfile
 import time
@@ -143,15 +145,16 @@ def main(argv: Sequence[str]) -> int:
         return _run_store(args, spec, rates[0])
     fresh = args.fresh_prefixes or cluster is not None
     shifts = itertools.count(1 if fresh else 0)
-    calibration = None
+    calibrations: list[tuple[float, object]] = []
     try:
         with _target(args) as target:
-            if cluster is not None:
-                from loadtests.live.validation import calibrate
-
-                calibration = calibrate(args, spec, target, cluster)
 
             def run_at(rate: float | None) -> RunResult:
+                if cluster is not None and rate is not None:
+                    from loadtests.live.validation import calibrate
+
+                    # measured just before this rate, under the machine's conditions of now
+                    calibrations.append((rate, calibrate(args, spec, target, cluster, rate)))
                 shift = next(shifts) if fresh else 0
                 return _with_store_counters(
                     target.store_metrics,
@@ -187,10 +190,10 @@ def main(argv: Sequence[str]) -> int:
     except (TargetError, CalibrationError) as exc:
         print(f"strata loadtest: {exc}", file=sys.stderr)
         return 1
-    if cluster is not None and calibration is not None:
+    if cluster is not None:
         from loadtests.live.validation import simulate_and_report
 
-        return simulate_and_report(args, spec, cluster, calibration, runs)
+        return simulate_and_report(args, spec, cluster, calibrations, runs)  # type: ignore[arg-type]
     extra = ""
     if args.search:
         from loadtests.live.search import goodput
@@ -407,6 +410,7 @@ def _run_rate(
                 last_t, last_sent, last_done = t, loop.sent, done
 
     print(f"rate {offered:g}/s: {len(requests)} requests over {duration:g}s", flush=True)
+    load_before = os.getloadavg()[0]
     reporter = gevent.spawn(progress)
     runner.start(1, spawn_rate=1)
     deadline = time.monotonic() + duration + args.request_timeout + 10
@@ -438,6 +442,11 @@ def _run_rate(
         f"median {total.median_response_time} ms, p99 {total.get_response_time_percentile(0.99)} ms",
         f"schedule lag p99 {getattr(sched, 'p99_lag_s', math.nan) * 1e3:.2f} ms, max "
         f"{getattr(sched, 'max_lag_s', math.nan) * 1e3:.2f} ms",
+    )
+    notes = (
+        *notes,
+        f"machine load average (1 min) {load_before:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} CPUs",
     )
     if shift:
         notes = (*notes, f"prompts shifted by {shift * step} token ids (fresh prefixes)")

@@ -1,26 +1,26 @@
 """`strata loadtest WORKLOAD --up --rates a,b,c --validate CLUSTER.toml`: live against simulated.
 
-One command, in this order on one running `strata up`:
+One command, on one running `strata up`, for each rate in turn:
 1. `calibrate`: the serving path measured through the API (loadtests/live/calibrate.py), just
-   before the live runs and under the machine's conditions of the moment; the pulls come from
-   the profile `strata up` used (`--time-model` to give another);
-2. the live runs at each rate (the runner; fresh prefixes, so each rate starts as cold as a
-   simulation does);
-3. `simulate_and_report`: the same requests (same seed, rates and duration) through the
-   simulator on the cluster with the measured terms, and one report of both: the calibration,
-   the live and simulated runs side by side, and TTFT and TPOT p50 per rate with pass/fail
-   (±25%, loadtests/sim/validate.py).
-The measured time model and terms are saved in the output folder as soon as they are measured
-(`calibrated_timemodel.json`, `calibration.json`) and the live runs before the simulation
-(`live/report.json`), so `strata simulate WORKLOAD --cluster CLUSTER --time-model
-DIR/calibrated_timemodel.json --calibration DIR/calibration.json --validate DIR/live/report.json`
-redoes the simulated half alone.
+   before that rate's live run, under the machine's conditions of the moment (this machine is
+   shared: its speed drifts over minutes); the pulls come from the profile `strata up` used
+   (`--time-model` to give another);
+2. the live run at that rate (the runner; fresh prefixes, so each rate starts as cold as a
+   simulation does).
+Then `simulate_and_report`: each rate's requests (same seed, rate and duration) through the
+simulator on the cluster with the terms and time model measured before it, and one report of
+both: the calibrations, the live and simulated runs side by side, and TTFT and TPOT p50 per rate
+with pass/fail (±25%, loadtests/sim/validate.py). The measurements are saved in the output
+folder (`calibration.json`, `calibrated_timemodel_K.json`, `live/report.json`) before the
+simulation, so `strata simulate WORKLOAD --cluster CLUSTER --calibration DIR/calibration.json
+--validate DIR/live/report.json --out DIR2` redoes the simulated half alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,20 +38,20 @@ from loadtests.workload import WorkloadSpec, generate_requests
 
 
 def calibrate(
-    args: argparse.Namespace, spec: WorkloadSpec, target: UpTarget, cluster: ClusterSpec
+    args: argparse.Namespace,
+    spec: WorkloadSpec,
+    target: UpTarget,
+    cluster: ClusterSpec,
+    rate: float,
 ) -> Calibration:
+    """The serving path measured now, at the prompt lengths of `rate`'s requests."""
     profile_path = args.time_model or target.profile or cluster.time_model
     try:
         profile = TimeModel.load(Path(profile_path).expanduser())
     except (OSError, ValueError) as exc:
         raise CalibrationError(f"cannot read the profile {profile_path}: {exc}") from exc
-    rates = [float(r) for r in args.rates.split(",")]
     duration = args.duration or spec.duration_s
-    lengths = [
-        r.prompt_tokens
-        for rate in rates
-        for r in generate_requests(spec, rate=rate, duration_s=duration)
-    ]
+    lengths = [r.prompt_tokens for r in generate_requests(spec, rate=rate, duration_s=duration)]
     plan = plan_for(lengths, spec.model.vocab_size, cluster.page_tokens, spec.model.token_low)
     print(
         f"calibrating the serving path at {target.base_url} (prompts of "
@@ -90,56 +90,79 @@ def calibrate(
         note=f"measured through {target.base_url} by strata loadtest --validate; pulls from "
         f"{profile_path}",
     )
-    print(f"  calibrated in {now():.1f} s: {cal.summary()}", flush=True)
-    save_calibration(cal, Path(args.out))
+    print(
+        f"  calibrated in {now():.1f} s (load average {os.getloadavg()[0]:.1f}): {cal.summary()}",
+        flush=True,
+    )
     return cal
 
 
-def save_calibration(cal: Calibration, out: Path) -> None:
+def save_calibrations(cals: Sequence[tuple[float, Calibration]], out: Path) -> Path:
+    """`calibration.json` (and one time model file per rate) in `out`; its path."""
     out.mkdir(parents=True, exist_ok=True)
-    cal.model.save(out / "calibrated_timemodel.json")
-    (out / "calibration.json").write_text(
-        json.dumps(
-            {"terms": cal.terms(), "requests": cal.requests, "summary": cal.summary()}, indent=2
+    entries = []
+    for k, (rate, cal) in enumerate(cals, 1):
+        name = f"calibrated_timemodel_{k}.json"
+        cal.model.save(out / name)
+        entries.append(
+            {
+                "rate": rate,
+                "terms": cal.terms(),
+                "model": name,
+                "requests": cal.requests,
+                "summary": cal.summary(),
+            }
         )
-        + "\n"
-    )
+    path = out / "calibration.json"
+    path.write_text(json.dumps({"rates": entries}, indent=2) + "\n")
+    return path
 
 
 def simulate_and_report(
     args: argparse.Namespace,
     spec: WorkloadSpec,
     cluster: ClusterSpec,
-    cal: Calibration,
+    cals: Sequence[tuple[float, Calibration]],
     live: Sequence[RunResult],
 ) -> int:
     from loadtests.report.compare import side_by_side
-    from loadtests.sim.cli import run_grid
-    from loadtests.sim.validate import validation_table, verdict
+    from loadtests.sim.validate import (
+        load_calibration,
+        simulate_calibrated,
+        validation_table,
+        verdict,
+    )
 
     out = Path(args.out)
     write_report(live, out / "live", f"Live: {spec.name}", plots=False)
-    measured = cluster.with_(**cal.terms())  # type: ignore[arg-type]
+    saved = save_calibrations(cals, out)
     print(
         f"simulating the same requests on {cluster.name} ({cluster.layout}) with the measured "
         "terms",
         flush=True,
     )
-    sims = run_grid(
-        spec,
-        measured,
-        cal.model,
-        [cluster.policy],
-        [r.target_rate for r in live],
-        duration_s=live[0].duration_s if live else None,
-        progress=True,
-    )
+    sims = simulate_calibrated(spec, cluster, load_calibration(saved), live)
     table = validation_table(live, sims)
     within, points = verdict(live, sims)
-    terms = "\n".join(f"- `{k}` = {v:.4g}" for k, v in cal.terms().items())
+    lines = [
+        "| before rate /s | "
+        + " | ".join(f"`{k}`" for k in cals[0][1].terms())
+        + " | time model |",
+        "|---|" + "---|" * (len(cals[0][1].terms()) + 1),
+    ]
+    for rate, cal in cals:
+        lines.append(
+            f"| {rate:g} | "
+            + " | ".join(
+                f"{v:.4g}" if isinstance(v, float) else cal.jitter_summary()
+                for v in cal.terms().values()
+            )
+            + f" | {cal.model_summary()} |"
+        )
     extra = (
-        "## Serving-path calibration (measured before the live runs)\n\n"
-        f"{cal.summary()}\n\n{terms}\n\n"
+        "## Serving-path calibration (measured just before each live rate)\n\n"
+        + "\n".join(lines)
+        + "\n\n"
         "## Live vs simulated\n\n"
         f"{table}\n\n**{within} of {points} within ±25%**\n"
     )

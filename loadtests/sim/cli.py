@@ -7,9 +7,9 @@ Markdown, plots). Prints the side-by-side table and each policy's ratios against
 built from this machine's `strata profile`) and lays live and simulated p50s side by side;
 `--overheads-from CALIBRATION.json` first fits the cluster's serving-path terms to another live
 run (its lowest rate), so the validation is not fitted to the runs it judges;
-`--calibration CALIBRATION.json` instead applies the serving-path terms `strata loadtest
---validate` measured (with `--time-model` its `calibrated_timemodel.json`), which redoes the
-simulated half of such a validation.
+`--calibration CALIBRATION.json` (with `--validate`) instead simulates each live rate with the
+serving-path terms and time model `strata loadtest --validate` measured just before it, which
+redoes the simulated half of such a validation.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from loadtests.sim.simulator import SIM_POLICIES, simulate
 from loadtests.sim.validate import (
     calibration_run,
     fit_overheads,
-    load_terms,
+    load_calibration,
+    simulate_calibrated,
     validation_table,
     verdict,
     without_overheads,
@@ -136,7 +137,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--calibration",
         default=None,
-        help="a calibration.json of `strata loadtest --validate`: its measured serving-path terms",
+        help="with --validate: the calibration.json of `strata loadtest --validate` (each rate "
+        "simulated with the terms and time model measured before it)",
     )
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
@@ -148,10 +150,9 @@ def main(argv: Sequence[str]) -> int:
         model = TimeModel.load(args.time_model or cluster.time_model)
         live: list[RunResult] = load_runs(args.validate) if args.validate else []
         calibration = load_runs(args.overheads_from) if args.overheads_from else []
-        if args.calibration:
-            if args.overheads_from:
-                raise ValueError("--calibration and --overheads-from exclude each other")
-            cluster = cluster.with_(**load_terms(args.calibration))
+        calibrated = load_calibration(args.calibration) if args.calibration else []
+        if calibrated and (args.overheads_from or not live):
+            raise ValueError("--calibration needs --validate and excludes --overheads-from")
     except (WorkloadError, ClusterError, ReportError, ValueError, FileNotFoundError) as exc:
         print(f"strata simulate: {exc}", file=sys.stderr)
         return 2
@@ -187,15 +188,19 @@ def main(argv: Sequence[str]) -> int:
         f"{len(policies)} policies x {len(rates)} rates",
         flush=True,
     )
-    runs = run_grid(
-        workload,
-        cluster,
-        model,
-        policies,
-        rates,
-        duration_s=duration,
-        admission=args.admission,
-        progress=True,
+    runs = (
+        [r for p in policies for r in simulate_calibrated(workload, cluster, calibrated, live, p)]
+        if calibrated
+        else run_grid(
+            workload,
+            cluster,
+            model,
+            policies,
+            rates,
+            duration_s=duration,
+            admission=args.admission,
+            progress=True,
+        )
     )
     extra = ""
     if live:

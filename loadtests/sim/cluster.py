@@ -16,6 +16,7 @@
     handoff_s = 0.0            # xPyD: per request, first token -> decode join, beyond the KV pull
     prefill_contention = 1.0   # a prefill iteration's slowdown while another engine of its host computes
     decode_contention = 1.0    # a decode iteration's slowdown while another engine of its host computes
+    prefill_jitter = []        # measured multipliers of prefill compute; each prefill takes a seeded draw
     [store]
     mode = "global"            # global (Strata) | per_engine (local prefix caches) | none
     dram = "64GiB"             # per host
@@ -31,6 +32,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -78,6 +80,7 @@ class ClusterSpec:
     handoff_s: float = 0.0
     prefill_contention: float = 1.0
     decode_contention: float = 1.0
+    prefill_jitter: tuple[float, ...] = ()
     store: str = "global"
     dram_bytes: int = 64 << 30
     ssd_bytes: int = 0
@@ -147,6 +150,8 @@ def validate(spec: ClusterSpec) -> None:
         raise ClusterError("handoff_s must be >= 0")
     if spec.prefill_contention < 1 or spec.decode_contention < 1:
         raise ClusterError("prefill_contention and decode_contention must be >= 1")
+    if any(not (x > 0 and math.isfinite(x)) for x in spec.prefill_jitter):
+        raise ClusterError("prefill_jitter holds positive finite multipliers")
     if spec.store not in STORE_MODES:
         raise ClusterError(
             f"store.mode must be one of {', '.join(STORE_MODES)}, got {spec.store!r}"
@@ -169,6 +174,15 @@ def _float(table: Mapping[str, object], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ClusterError(f"{key} must be a number, got {value!r}")
     return float(value)
+
+
+def _floats(table: Mapping[str, object], key: str) -> tuple[float, ...]:
+    value = table.get(key, [])
+    if not isinstance(value, list) or any(
+        isinstance(v, bool) or not isinstance(v, int | float) for v in value
+    ):
+        raise ClusterError(f"{key} must be a list of numbers, got {value!r}")
+    return tuple(float(v) for v in value)
 
 
 def load_cluster(path: str | Path) -> ClusterSpec:
@@ -198,6 +212,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         "handoff_s",
         "prefill_contention",
         "decode_contention",
+        "prefill_jitter",
         "store",
         "router",
     }
@@ -239,6 +254,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
         handoff_s=_float(raw, "handoff_s", 0.0),
         prefill_contention=_float(raw, "prefill_contention", 1.0),
         decode_contention=_float(raw, "decode_contention", 1.0),
+        prefill_jitter=_floats(raw, "prefill_jitter"),
         store=str(store.get("mode", "global")),
         dram_bytes=parse_size(store.get("dram", 64 << 30), "store.dram"),
         ssd_bytes=parse_size(store.get("ssd", 0), "store.ssd"),

@@ -15,8 +15,10 @@ cluster's serving-path terms: `request_overhead_s` in the iteration that ends a 
 fits them to a live run), `handoff_s` between a prefill's first token and the decode engine's
 queue (beyond the modelled KV pull), and `prefill_contention` / `decode_contention`: an
 iteration that starts while another engine of its host computes takes that many times longer
-(engines sharing one machine's processors; 1 by default; `strata loadtest --validate` measures
-all of these live). The pool
+(engines sharing one machine's processors; 1 by default), and `prefill_jitter`: each prefill's
+compute times a draw from these measured multipliers (a shared machine's speed varies from one
+request to the next, skewed to the slow side; the draws are seeded by the run's seed and the
+engine, so a run is repeatable). `strata loadtest --validate` measures all of these live. The pool
 holds each running request's pages (prompt + max_tokens, reserved when it starts) and, in the
 per-engine store mode, an LRU prefix cache in whatever room is left.
 """
@@ -24,6 +26,7 @@ per-engine store mode, an LRU prefix cache in whatever room is left.
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -90,6 +93,7 @@ class SimEngine:
         self.cache = LocalCache() if sim.cluster.store == "per_engine" else None
         self.busy = False
         self.busy_s = 0.0
+        self._jitter = random.Random(f"{sim.seed}/{worker_id}/prefill_jitter")
 
     # -- what the router sees -------------------------------------------------------------------
     def report(self) -> WorkerView:
@@ -213,6 +217,8 @@ class SimEngine:
                 piece = model.prefill_s(take, job.cached_tokens + job.progress)
                 if prefills:
                     piece -= model.prefill.fixed_s  # one launch per batched iteration
+                if c.prefill_jitter:
+                    piece *= self._jitter.choice(c.prefill_jitter)
                 if take == left:
                     piece += c.request_overhead_s  # the serving path of its first token
                 prefill_s += max(piece, 0.0)

@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from engine.router.core import TimeModel
 from loadtests.report.metrics import run_metrics
 from loadtests.report.records import RunResult
 from loadtests.sim.cluster import ClusterSpec
+from loadtests.sim.simulator import simulate
+from loadtests.workload import WorkloadSpec, generate_requests
 
 TOLERANCE = 0.25
 # the cluster's serving-path terms `strata loadtest --validate` measures (loadtests/live/calibrate.py)
@@ -26,6 +30,7 @@ SERVING_TERMS = (
     "handoff_s",
     "prefill_contention",
     "decode_contention",
+    "prefill_jitter",
 )
 
 
@@ -95,14 +100,69 @@ def without_overheads(cluster: ClusterSpec) -> ClusterSpec:
     return cluster.with_(request_overhead_s=0.0, token_overhead_s=0.0)
 
 
-def load_terms(path: str | Path) -> dict[str, float]:
-    """The serving-path terms of a `calibration.json` (ValueError naming what is wrong)."""
+@dataclass(frozen=True, slots=True)
+class CalibratedRate:
+    """The serving-path terms and time model measured just before one live rate."""
+
+    rate: float
+    terms: dict[str, float | tuple[float, ...]]
+    model_path: str
+
+
+def _term(value: object) -> float | tuple[float, ...]:
+    if isinstance(value, list):
+        return tuple(float(v) for v in value)
+    return float(value)  # type: ignore[arg-type]
+
+
+def load_calibration(path: str | Path) -> list[CalibratedRate]:
+    """The calibrations of a `calibration.json` written by `strata loadtest --validate`, one per
+    live rate (ValueError naming what is wrong); model paths are relative to the file."""
+    p = Path(path)
     try:
-        doc = json.loads(Path(path).read_text())
-        terms = {str(k): float(v) for k, v in dict(doc["terms"]).items()}
+        doc = json.loads(p.read_text())
+        out = [
+            CalibratedRate(
+                float(e["rate"]),
+                {str(k): _term(v) for k, v in dict(e["terms"]).items()},
+                str(p.parent / str(e["model"])),
+            )
+            for e in doc["rates"]
+        ]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a calibration.json ({exc})") from None
-    unknown = sorted(set(terms) - set(SERVING_TERMS))
-    if unknown:
-        raise ValueError(f"{path}: unknown terms {unknown}")
-    return terms
+        raise ValueError(f"{path}: not a calibration.json ({exc!r})") from None
+    if not out:
+        raise ValueError(f"{path}: no calibrated rate")
+    for e in out:
+        unknown = sorted(set(e.terms) - set(SERVING_TERMS))
+        if unknown:
+            raise ValueError(f"{path}: unknown terms {unknown}")
+    return out
+
+
+def simulate_calibrated(
+    workload: WorkloadSpec,
+    cluster: ClusterSpec,
+    calibrations: Sequence[CalibratedRate],
+    live: Sequence[RunResult],
+    policy: str | None = None,
+) -> list[RunResult]:
+    """Each live run's requests (same seed, rate, duration) simulated on `cluster` with the
+    terms and time model calibrated for that rate (the nearest calibrated one)."""
+    runs = []
+    for lr in live:
+        cal = min(calibrations, key=lambda c: abs(c.rate - lr.target_rate))
+        requests = generate_requests(workload, rate=lr.target_rate, duration_s=lr.duration_s)
+        runs.append(
+            simulate(
+                cluster.with_(**cal.terms),  # type: ignore[arg-type]
+                workload,
+                TimeModel.load(cal.model_path),
+                requests,
+                policy=policy or cluster.policy,
+                rate=lr.target_rate,
+                duration_s=lr.duration_s,
+                label=f"{policy or cluster.policy} @ {lr.target_rate:.3g}/s",
+            )
+        )
+    return runs

@@ -4,6 +4,7 @@ the simulator's hand-off and contention terms have their known effect on one or 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -144,7 +145,31 @@ def test_fit_recovers_the_terms_of_a_known_serving_path() -> None:
         "handoff_s",
         "prefill_contention",
         "decode_contention",
+        "prefill_jitter",
     }
+    # an exact system: every prefill is where the fit puts it
+    assert len(cal.prefill_jitter) == 7
+    assert cal.prefill_jitter == pytest.approx([1.0] * 7, rel=0.05)
+
+
+def test_jitter_keeps_the_measured_skew() -> None:
+    m = synthetic()
+    slow = tuple(
+        dataclasses.replace(r, breakdown=Breakdown(prefill_s=3 * r.breakdown.prefill_s))
+        if i in (1, 4)
+        else r
+        for i, r in enumerate(m.prefill)
+    )
+    cal = fit(
+        Measurements(slow, m.decode, m.contention),
+        PROFILE,
+        page_tokens=PAGE_TOKENS,
+        page_bytes=PAGE_BYTES,
+    )
+    j = cal.prefill_jitter
+    assert list(j) == sorted(j) and j[len(j) // 2] == pytest.approx(1.0, rel=0.2)
+    assert j[-1] / j[0] > 2.5  # the two slow ones stay in, about 3x the others
+    assert "p90" in cal.jitter_summary()
 
 
 def test_fit_refuses_measurements_without_decode() -> None:
@@ -222,6 +247,17 @@ def test_the_simulators_hand_off_and_contention_terms() -> None:
     assert a1.finish_s - a0.finish_s >= 2 * 0.01 - 1e-9
     assert a1.finish_s - a0.finish_s <= 2 * 0.01 * math.ceil(0.2 / 0.01) + 1e-9
     assert run_metrics(simulate(lone, spec, model, two, rate=1.0)).overall.ok == 2
+    # jitter: every prefill's compute times a draw; one value is a plain multiplier
+    doubled = simulate(base.with_(prefill_jitter=(2.0,)), spec, model, one, rate=1.0).records[0]
+    assert doubled.ttft_s == pytest.approx(2 * plain.ttft_s)
+    mixed = base.with_(prefill_jitter=(1.0, 3.0))
+    many = [_req(i, 2.0 * i) for i in range(20)]
+    ttfts = [r.ttft_s for r in simulate(mixed, spec, model, many, rate=0.5).records]
+    assert set(round(t, 6) for t in ttfts) == {0.1, 0.3}  # both draws happen, nothing else
+    again = [r.ttft_s for r in simulate(mixed, spec, model, many, rate=0.5).records]
+    assert again == ttfts  # seeded: the same run twice
+    with pytest.raises(ClusterError, match="jitter"):
+        base.with_(prefill_jitter=(0.0,))
     with pytest.raises(ClusterError, match="contention"):
         base.with_(decode_contention=0.5)
     with pytest.raises(ClusterError, match="handoff"):

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from engine.router.core import DecodeCoeffs, PrefillCoeffs, PullCoeffs, TimeModel
 from loadtests.live.http_user import (
     Sent,
     completion_body,
@@ -90,12 +91,15 @@ class SlowHandler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
             time.sleep(TOKEN_GAP_S)
+        prompt = body["prompt"]
+        cached = 2 if len(prompt) <= 3 else (len(prompt) // 2) // 16 * 16
         usage = {
             "choices": [],
             "usage": {
                 "prompt_tokens": 3,
                 "completion_tokens": n,
-                "prompt_tokens_details": {"cached_tokens": 2},
+                # 2 of the tests' 3-token prompts; of a longer one, its first half's pages
+                "prompt_tokens_details": {"cached_tokens": cached},
             },
         }
         self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -388,3 +392,59 @@ def test_fresh_prefixes_shift_ids_as_a_bijection() -> None:
     assert shift_tokens(ids, 509, 3, 512) == ids  # a full turn
     back = shift_tokens(shifted, 509 - 100, 3, 512)
     assert back == ids
+
+
+def test_calibration_measures_a_server_through_the_http_user(slow_server: str) -> None:
+    # the slow server: 0.3 s to a first token, 0.02 s per token after it, and its strata_timings
+    # say the prefill computed 150 ms, so 150 ms of every TTFT is the serving path
+    from loadtests.live.calibrate import CalibrationPlan, fit, measure
+
+    plan = CalibrationPlan(
+        prompt_lengths=(8, 24, 40),
+        cached_tokens=16,
+        decode_contexts=(8, 16),
+        decode_batches=(1, 2),
+        decode_tokens=8,
+        contention_tokens=12,
+        contention_prefills=2,
+        contention_rounds=1,
+        reps=1,
+    )
+    http = httpx.Client()
+    t0 = time.perf_counter()
+
+    def now() -> float:
+        return time.perf_counter() - t0
+
+    def send(prompt: list[int], n: int, on_first_token=None) -> RequestRecord:
+        t = now()
+        return stream_completion(
+            http,
+            slow_server,
+            completion_body("m", prompt, n),
+            Sent("c", "", t, t, len(prompt), n),
+            now,
+            timeout_s=10,
+            on_first_token=on_first_token,
+        )
+
+    lines: list[str] = []
+    m = measure(send, plan, lines.append)
+    http.close()
+    assert len(m.prefill) == 6 and [b for b, _ in m.decode] == [1, 2, 1, 2]
+    assert all(len(s) == b for b, s in m.decode) and len(m.contention) == 1
+    stream, prefills = m.contention[0]
+    assert stream.output_tokens == 12 and len(prefills) == 2
+    # the prefills started once the stream had its first token
+    assert all(p.sent_s >= stream.first_token_s for p in prefills)
+    assert len(lines) == 3
+    profile = TimeModel(
+        PrefillCoeffs(0.0, 0.0, 0.0, 0.0),
+        DecodeCoeffs(0.0, 0.0, 0.0),
+        (PullCoeffs("dram", True, 0.0, 0.0),),
+    )
+    cal = fit(m, profile, page_tokens=16, page_bytes=1024)
+    assert cal.model.prefill_s(16, 0) == pytest.approx(0.15, rel=0.05)
+    assert cal.request_overhead_s == pytest.approx(FIRST_TOKEN_DELAY_S - 0.15, abs=0.05)
+    assert cal.model.decode_step_s(1, 20) == pytest.approx(TOKEN_GAP_S, abs=0.01)
+    assert cal.handoff_s < 0.02  # the fake server hands nothing off

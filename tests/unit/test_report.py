@@ -13,7 +13,7 @@ from loadtests.report.compare import main as report_main
 from loadtests.report.files import ReportError
 from loadtests.report.metrics import goodput_rate, jain, percentile
 from loadtests.report.records import Breakdown, ClassTarget, RequestRecord, RunResult, Sample
-from loadtests.sim.validate import agreement, load_terms, validation_table, verdict
+from loadtests.sim.validate import agreement, load_calibration, validation_table, verdict
 
 pytestmark = pytest.mark.unit
 
@@ -169,11 +169,14 @@ def test_validation_table_marks_each_point_and_counts_them(tmp_path: Path) -> No
     assert "2 (live INVALID: client behind)" in table  # the lagging live run is marked
     assert "1 (live INVALID" not in table
     good = tmp_path / "calibration.json"
-    good.write_text(json.dumps({"terms": {"handoff_s": 0.04, "decode_contention": 1.5}}))
-    assert load_terms(good) == {"handoff_s": 0.04, "decode_contention": 1.5}
+    entry = {"rate": 1.0, "terms": {"handoff_s": 0.04, "decode_contention": 1.5}, "model": "m.json"}
+    good.write_text(json.dumps({"rates": [entry]}))
+    (cal,) = load_calibration(good)
+    assert cal.rate == 1.0 and cal.terms == {"handoff_s": 0.04, "decode_contention": 1.5}
+    assert cal.model_path == str(tmp_path / "m.json")
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"terms": {"warp_factor": 9}}))
+    bad.write_text(json.dumps({"rates": [{**entry, "terms": {"warp_factor": 9}}]}))
     with pytest.raises(ValueError, match="unknown terms"):
-        load_terms(bad)
+        load_calibration(bad)
     with pytest.raises(ValueError, match="not a calibration"):
-        load_terms(tmp_path / "missing.json")
+        load_calibration(tmp_path / "missing.json")
