@@ -38,6 +38,8 @@ import tempfile
 from pathlib import Path
 
 import atheris
+import xxhash
+from google.protobuf.message import DecodeError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fuzz package
 
@@ -59,6 +61,8 @@ import kvstore.tiers.ssd  # noqa: F401
 with atheris.instrument_imports(include=["kvstore", "client"]):
     from client import StoreClient, build_pages
     from client.lane_protocol import METHOD_IDS, REQUEST, RESPONSE
+    from client.page import HEADER_FIXED_BYTES
+    from client.scope import chain_key
     from client.ucx_protocol import (
         KIND_DONE,
         KIND_ERROR,
@@ -96,6 +100,8 @@ CLEAN_CODES = {0} | {code.value[0] for code in (grpc.StatusCode.INVALID_ARGUMENT
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)}  # fmt: skip
 TCP_INTERNAL = 7  # client/ucx_protocol.py: the ERROR code of an exception that is not typed
+_HEADER_FIXED = HEADER_FIXED_BYTES
+_KEY, _PARENT = 28, 44  # offsets of the key and the parent in a page header (client/page.py)
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 
@@ -223,16 +229,56 @@ def join_messages(messages: tuple[bytes, ...]) -> bytes:
     return b"".join(_U16.pack(len(m)) + m for m in messages)
 
 
+RESEAL, REKEY = 0x10, 0x20  # byte 1 flags of the rpc target
+
+
+def _repair(header: bytes, flags: int) -> bytes:
+    """A page header with its key recomputed from its parent and tokens (REKEY) and its header
+    checksum recomputed (RESEAL): what any client can do, so that mutations get past those two
+    checks to what lies behind them (the scope, the chain, the commit)."""
+    fixed = _HEADER_FIXED
+    if len(header) < fixed + 8:
+        return header
+    if flags & REKEY:
+        count = (len(header) - fixed - 8) // 4
+        tokens = struct.unpack_from(f"<{count}I", header, fixed)
+        parent = header[_PARENT : _PARENT + 16]
+        header = header[:_KEY] + chain_key(parent, tokens) + header[_KEY + 16 :]
+    return header[:-8] + struct.pack("<Q", xxhash.xxh3_64_intdigest(header[:-8]))
+
+
+def _repaired(method: str, message: bytes, flags: int) -> bytes:
+    """`message` with the page headers it carries repaired (see `_repair`), if it parses."""
+    try:
+        if method == "Put":
+            request = pb.PutRequest.FromString(message)
+            if request.WhichOneof("part") != "chunk" or not request.chunk.header:
+                return message
+            request.chunk.header = _repair(request.chunk.header, flags)
+            return request.SerializeToString()
+        if method == "Reserve":
+            reserve = pb.ReserveRequest.FromString(message)
+            reserve.headers[:] = [_repair(h, flags) for h in reserve.headers]
+            return reserve.SerializeToString()
+    except DecodeError:
+        pass
+    return message
+
+
 def fuzz_rpc(d: Live, data: bytes) -> None:
+    """Byte 1: bits 0-3 where a request stream ends abruptly (15: it does not), RESEAL and
+    REKEY (page headers in Put chunks and Reserve repaired before sending)."""
     if len(data) < 2:
         return
     method = METHODS[data[0] % len(METHODS)]
-    body = data[2:]
+    body, flags = data[2:], data[1]
+    messages = split_messages(body) if KINDS[method][0] else (body,)
+    if flags & (RESEAL | REKEY):
+        messages = tuple(_repaired(method, m, flags) for m in messages)
     if KINDS[method][0]:
-        abort_after = data[1] - 1 if data[1] < 16 else -1
-        call = Call(method, split_messages(body), abort_after)
+        call = Call(method, messages, -1 if flags & 15 == 15 else flags & 15)
     else:
-        call = Call(method, (body,))
+        call = Call(method, messages)
     timeout = 0.05 if method == "Watch" else TIMEOUT_S
     outcome = send(d.channel, call, timeout)
     problem = check(call, outcome)
@@ -358,7 +404,7 @@ def seeds(world: World) -> dict[str, bytes]:
         for call in seed_calls(world, pages):
             index = METHODS.index(call.method)
             body = join_messages(call.requests) if KINDS[call.method][0] else call.requests[0]
-            out[f"rpc-{call.method}"] = bytes([index, 255]) + body
+            out[f"rpc-{call.method}"] = bytes([index, 15 | RESEAL | REKEY]) + body
     elif TARGET == "lane":
         for call in seed_calls(world, pages):
             if call.method in METHOD_IDS:
