@@ -230,6 +230,7 @@ class AsyncStoreClient:
         io_class: IoClass | None = None,
         tier: Tier | None = None,
         chain_prefixes: Sequence[Sequence[int]] = (),
+        prefix_tokens: Sequence[int] = (),
     ) -> PutResult:
         """Publish `pages`; one status per page. See `StoreClient.put` (and its
         `chain_prefixes`)."""
@@ -239,7 +240,7 @@ class AsyncStoreClient:
         conn = await self._ready()
         io = self._io(io_class)
         same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
-        prefix = [tokens_le(p) for p in chain_prefixes]
+        prefix = [tokens_le(p) for p in (*chain_prefixes, prefix_tokens) if p]
         statuses: list[PutStatus] = []
         for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
             part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]

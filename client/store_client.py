@@ -279,6 +279,7 @@ class StoreClient:
         io_class: IoClass | None = None,
         tier: Tier | None = None,
         chain_prefixes: Sequence[Sequence[int]] = (),
+        prefix_tokens: Sequence[int] = (),
     ) -> PutResult:
         """Publish `pages` (full pages of `scope`); one status per page. Mutates; never retried.
 
@@ -286,7 +287,9 @@ class StoreClient:
         scope digest, an earlier page of the put, or a key the node holds or remembers. When it
         may hold none of the pages' ancestors, `chain_prefixes` vouch for them: each the token
         ids of a prompt from its first full page on (every key they chain to counts as known);
-        without them such a put raises InvalidArgument "chain does not verify".
+        `prefix_tokens`, the ids of the prompt's pages before `pages[0]`, is one more (as
+        `ClusterClient.put` takes it). Without them such a put raises InvalidArgument "chain
+        does not verify".
 
         `tier` None places pages where the node chooses; on the same-host path pages go into the
         DRAM segment, so a put asking for another tier takes the gRPC path. InvalidArgument (before
@@ -299,7 +302,7 @@ class StoreClient:
         conn = self._ready()
         io = self._io(io_class)
         same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
-        prefix = [tokens_le(p) for p in chain_prefixes]
+        prefix = [tokens_le(p) for p in (*chain_prefixes, prefix_tokens) if p]
         statuses: list[PutStatus] = []
         for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
             part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]

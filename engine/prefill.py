@@ -223,4 +223,5 @@ class PrefillWorker:
             keys[first - 1] if first else scope.digest,
             [ids[i * page : (i + 1) * page] for i in range(first, end)],
             [self.pool.read_page(table[i]) for i in range(first, end)],
+            prefix_tokens=ids[: first * page],
         )

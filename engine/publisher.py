@@ -24,12 +24,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class PublishJob:
     """Consecutive full pages of one sequence: page i has `tokens[i]` and `payloads[i]`; the
-    first follows `parent` (the key of the page before it, or the scope digest)."""
+    first follows `parent` (the key of the page before it, or the scope digest), and
+    `prefix_tokens` are the ids of the sequence's pages before it (they let a store node that
+    holds none of those pages verify the key chain, kvstore/chain.py)."""
 
     scope: Scope
     parent: bytes
     tokens: tuple[tuple[int, ...], ...]
     payloads: tuple[bytes, ...]
+    prefix_tokens: tuple[int, ...] = ()
 
     def pages(self) -> list[Page]:
         """The pages with their headers (keys chained from `parent`, checksums computed)."""

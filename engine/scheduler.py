@@ -446,6 +446,7 @@ class BatchScheduler:
             seq.keys[first - 1] if first else digest,
             [seq.tokens[i * page : (i + 1) * page] for i in range(first, full)],
             [self.pool.read_page(seq.table[i]) for i in range(first, full)],
+            prefix_tokens=seq.tokens[: first * page],
         )
         if ticket.queued:
             seq.queued_pages += full - first

@@ -64,6 +64,7 @@ class PageStore(Protocol):
         *,
         io_class: IoClass | None = None,
         tier: Tier | None = None,
+        prefix_tokens: Sequence[int] = (),
     ) -> PutResult: ...
 
 
@@ -229,12 +230,21 @@ class StoreLink:
         parent: bytes,
         page_tokens: Sequence[Sequence[int]],
         payloads: Sequence[bytes],
+        prefix_tokens: Sequence[int] = (),
     ) -> PublishTicket:
         """Queue full pages for the store (io class BACKGROUND): page i has tokens
         `page_tokens[i]` and payload `payloads[i]`, and follows `parent` (the key of the page
-        before the first, or the scope digest). Returns at once; `ticket.wait()` to know the
+        before the first, or the scope digest), whose prompt's earlier pages hold
+        `prefix_tokens` (sent along: a cluster node verifies the key chain from them). Returns
+        at once; `ticket.wait()` to know the
         outcome. Dropped (not queued) when the store is absent or down, or the queue is full."""
-        job = PublishJob(scope, parent, tuple(tuple(t) for t in page_tokens), tuple(payloads))
+        job = PublishJob(
+            scope,
+            parent,
+            tuple(tuple(t) for t in page_tokens),
+            tuple(payloads),
+            tuple(prefix_tokens),
+        )
         if self.store is None or not self._usable():
             return PublishTicket.skipped(len(payloads))
         return self._publisher.submit(job)
@@ -262,7 +272,9 @@ class StoreLink:
             return 0, 0
         try:
             pages = job.pages()
-            result = store.put(job.scope, pages, io_class=IoClass.BACKGROUND)
+            result = store.put(
+                job.scope, pages, io_class=IoClass.BACKGROUND, prefix_tokens=job.prefix_tokens
+            )
         except CapacityExhausted as exc:
             self._log_once(
                 logging.INFO, "store full, pages not published (until it has room): %s", exc

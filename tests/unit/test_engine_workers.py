@@ -116,6 +116,7 @@ class MemoryStore:
         *,
         io_class: IoClass | None = None,
         tier: Tier | None = None,
+        prefix_tokens: Sequence[int] = (),
     ) -> PutResult:
         self._check("put", io_class)
         if self.full:
