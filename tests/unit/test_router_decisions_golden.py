@@ -11,8 +11,10 @@ one `rng`, so a change in how many draws a decision makes shows in every later o
 Each golden row is (prefill, decode, predicted TTFT, predicted TPOT, candidates, digest) for a
 placement, where `digest` hashes every candidate's ids, predictions, cost parts and the reason it
 lost (floats to 9 significant digits), or ("refused", reason) for a refusal. The rows were
-computed from the policies as they were before their hot loop was rewritten for speed: the
-rewrite must keep every decision, every prediction and every explanation.
+computed from the policies as they were before their hot loop was rewritten for speed (commit
+52b8dc9): the rewrite must keep every decision and every explanation, and every prediction to
+within 1e-12 relative (a decode worker's departures are now summed as integers of tokens
+rather than as absolute end times, which moves the last bits of some predictions).
 """
 
 from __future__ import annotations
