@@ -14,7 +14,7 @@ lost (floats to 9 significant digits), or ("refused", reason) for a refusal. The
 computed from the policies as they were before their hot loop was rewritten for speed (commit
 52b8dc9): the rewrite must keep every decision and every explanation, and every prediction to
 within 1e-12 relative (a decode worker's departures are now summed as integers of tokens
-rather than as absolute end times, which moves the last bits of some predictions).
+rather than as absolute end times, which can move the last bits of a prediction).
 """
 
 from __future__ import annotations
