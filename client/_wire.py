@@ -341,13 +341,13 @@ AUTHORIZATION = "authorization"
 
 
 def resolve_token(token: str | None) -> str | None:
-    """The token a client sends: `token`, else $STRATA_STORE_TOKEN, else None (none sent; an
-    open daemon needs none). InvalidArgument for one that cannot travel in a header."""
+    """The token a client sends: `token`; None: $STRATA_STORE_TOKEN if set; "" or unset: none
+    (an open daemon needs none). InvalidArgument for one that cannot travel in a header."""
     if token is None:
         token = os.environ.get(TOKEN_ENV) or None
-    if token is None:
+    if not token:
         return None
-    if not token or token != token.strip() or not token.isprintable() or not token.isascii():
+    if token != token.strip() or not token.isprintable() or not token.isascii():
         raise InvalidArgument("a store token must be non-empty printable ASCII without spaces")
     return token
 

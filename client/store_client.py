@@ -148,10 +148,10 @@ class StoreClient:
     plaintext.
 
     `token`: the bearer token of this client's principal on a daemon with auth on (None: the
-    STRATA_STORE_TOKEN environment variable; none sent when unset), sent on every call. A call
-    the principal may not make raises PermissionDenied, a missing or unknown token
-    Unauthenticated. Every read carries its scope's canonical encoding, which such a daemon
-    checks against the token.
+    STRATA_STORE_TOKEN environment variable, none sent when unset; "": none, whatever the
+    environment says), sent on every call. A call the principal may not make raises
+    PermissionDenied, a missing or unknown token Unauthenticated. Every read carries its
+    scope's canonical encoding, which such a daemon checks against the token.
     """
 
     def __init__(

@@ -148,7 +148,7 @@ def test_another_tenants_reads_writes_and_deletes_are_refused(
     into = [bytearray(A.page_payload_bytes) for _ in keys]
     refused: list[Callable[[], object]] = [
         lambda: b.lookup(A, keys),
-        lambda: b.get(A, keys, into, tokens=None),
+        lambda: b.get(A, keys, into, tokens=tokens_of(pages)),
         lambda: b.put(A, chain(A, 6, seed=9)),
         lambda: b.delete(scope=A),
         lambda: b.delete(keys=keys[2:]),

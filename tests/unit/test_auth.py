@@ -221,7 +221,8 @@ def test_the_sdk_token(monkeypatch: pytest.MonkeyPatch) -> None:
     assert auth_metadata("abc") == (("authorization", "Bearer abc"),)
     monkeypatch.setenv("STRATA_STORE_TOKEN", "from-env")
     assert resolve_token(None) == "from-env" and resolve_token("given") == "given"
-    for bad in ("", " padded", "new\nline", "tab\there", "caf\u00e9"):
+    assert resolve_token("") is None  # explicitly none, whatever the environment says
+    for bad in (" padded", "new\nline", "tab\there", "caf\u00e9"):
         with pytest.raises(InvalidArgument):
             resolve_token(bad)
 
