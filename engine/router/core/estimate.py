@@ -314,9 +314,13 @@ class DecodeLoad(NamedTuple):
                     tokens += ctx
             life = life_s
             if life is None:
-                life = max_tokens * batch_step_s(
-                    model, requests + 1.0, tokens + own_context, max_batch
-                )
+                batch = requests + 1.0
+                if batch <= cap:  # batch_step_s, inline
+                    life = max_tokens * (
+                        fixed + per_request * batch + (per_context * (tokens + own_context))
+                    )
+                else:
+                    life = max_tokens * batch_step_s(model, batch, tokens + own_context, max_batch)
             end = join + life
             span = end - join
             if span > 0:
