@@ -225,6 +225,7 @@ class Daemon:
                         lambda: store.tiers.gauges(),
                         store.scheduler.queue_depths,
                         lambda: len(store.leases),
+                        store.namespace_usage,
                     ),
                     MembershipCollector(lambda: registration.stale) if registration else None,
                 )
@@ -342,12 +343,14 @@ class Daemon:
 
 
 def _make_paths_private(cfg: StoreConfig) -> None:
-    """The data folder (and the SSD tier's, when elsewhere) and all in them: 0700 / 0600. The
-    lane socket's folder is created 0700 when missing; one that exists and other users may
-    enter is left as it is (it may be shared on purpose: auth.local_uids), with a warning."""
+    """The data folder 0700, and the SSD tier's folder with all in it 0700 / 0600 (the
+    daemon's own files: RocksDB's, the segment files). Only the daemon's own folder is walked:
+    a data folder named by hand may hold other things, which are left alone; one shared on
+    purpose (see `shared_folder`) keeps its mode. The lane socket's folder is created 0700 when
+    missing; one that exists and other users may enter is left as it is (it may be shared on
+    purpose: auth.local_uids), with a warning."""
     private_folder(cfg.data_path)
-    make_private(cfg.data_path)
-    if cfg.ssd.enabled and not cfg.ssd_path.is_relative_to(cfg.data_path):
+    if cfg.ssd.enabled:
         private_folder(cfg.ssd_path)
         make_private(cfg.ssd_path)
     sock = cfg.unix_socket_path

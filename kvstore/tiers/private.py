@@ -4,7 +4,8 @@ token ids included), so no other user may read or list it.
 Folders are 0700 and files 0600. The daemon sets the process umask to 077 while it runs
 (`private_umask`; RocksDB creates its files with the umask's permissions, and keeps creating
 them as it flushes and compacts), and at start-up makes private whatever an older version, or
-another umask, left readable (`make_private`).
+another umask, left readable in its own folders (`make_private`). A folder shared on purpose
+(`shared_folder`: sticky like /tmp, the root, a home folder) is never changed, nor walked.
 """
 
 from __future__ import annotations
@@ -30,9 +31,23 @@ def restore_umask(previous: int) -> None:
     os.umask(previous)
 
 
+def shared_folder(path: Path) -> bool:
+    """A folder whose mode is not the daemon's to take: sticky (/tmp), /, or a home folder."""
+    try:
+        resolved = path.resolve()
+        sticky = bool(resolved.stat().st_mode & stat.S_ISVTX)
+    except OSError:
+        return True
+    return sticky or resolved == Path("/") or resolved == Path.home().resolve()
+
+
 def private_folder(path: Path) -> None:
-    """Create `path` (and missing parents) 0700, and make `path` itself 0700 if it exists."""
+    """Create `path` (and missing parents) 0700, and make `path` itself 0700 if it exists
+    (unless it is a `shared_folder`: then a warning)."""
     path.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
+    if shared_folder(path):
+        log.warning("%s is a shared folder: its mode is kept; give the daemon one of its own", path)
+        return
     _chmod(path, FOLDER_MODE)
 
 
@@ -40,7 +55,7 @@ def make_private(folder: Path) -> int:
     """Make every folder under `folder` (itself included) 0700 and every other entry 0600, of
     those this user owns (symbolic links are not followed). Returns how many were changed."""
     changed = 0
-    if not folder.is_dir() or folder.is_symlink():
+    if not folder.is_dir() or folder.is_symlink() or shared_folder(folder):
         return 0
     changed += _chmod(folder, FOLDER_MODE)
     for root, dirs, files in os.walk(folder):

@@ -30,6 +30,7 @@ from client.errors import Unavailable
 from client.lane import Lane, LaneError, LaneStub
 from client.lane_protocol import METHOD_IDS, REQUEST, RESPONSE, STATUS_OK, recv_exact
 from kvstore.auth import hash_token
+from kvstore.tiers.private import make_private, private_folder, shared_folder
 from kvstore_pb import store_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -213,11 +214,15 @@ def test_the_data_folder_is_private_to_the_daemons_user(
     daemon_factory: DaemonFactory, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    (data / "ssd").mkdir(parents=True, mode=0o755)
-    data.chmod(0o755)
-    left = data / "from-an-older-run.log"
+    (data / "ssd" / "segments").mkdir(parents=True, mode=0o755)
+    for folder in (data, data / "ssd", data / "ssd" / "segments"):
+        folder.chmod(0o755)
+    left = data / "ssd" / "LOG.old.from-an-older-run"
     left.write_text("readable by all")
     left.chmod(0o644)
+    other = data / "notes.txt"  # not the daemon's: left alone (unreachable in a 0700 folder)
+    other.write_text("mine")
+    other.chmod(0o644)
     old_umask = os.umask(0o022)
     try:
         daemon = daemon_factory(
@@ -243,14 +248,35 @@ def test_the_data_folder_is_private_to_the_daemons_user(
         os.umask(old_umask)
     assert os.umask(0o022) == 0o022  # stop() gave the process its umask back
     os.umask(old_umask)
+    assert modes.pop("notes.txt") == 0o644
     wrong = {
         name: oct(mode)
         for name, mode in modes.items()
         if mode != (0o700 if (data / name).is_dir() else 0o600)
     }
     assert not wrong, wrong
-    assert modes["from-an-older-run.log"] == 0o600
+    assert modes["ssd/LOG.old.from-an-older-run"] == 0o600
     assert len(modes) > 6
+
+
+def test_a_shared_folder_is_never_taken_over(tmp_path: Path) -> None:
+    shared = tmp_path / "scratch"
+    shared.mkdir()
+    shared.chmod(0o1777)  # sticky and open to all, like /tmp
+    (shared / "someone-elses.txt").write_text("x")
+    (shared / "someone-elses.txt").chmod(0o644)
+    assert shared_folder(shared) and shared_folder(Path.home()) and shared_folder(Path("/"))
+    assert make_private(shared) == 0
+    private_folder(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    assert stat.S_IMODE((shared / "someone-elses.txt").stat().st_mode) == 0o644
+    own = tmp_path / "own"
+    own.mkdir(mode=0o755)
+    (own / "f").write_text("x")
+    (own / "f").chmod(0o644)
+    assert not shared_folder(own)
+    assert make_private(own) == 2
+    assert stat.S_IMODE((own / "f").stat().st_mode) == 0o600
 
 
 def test_metrics_listen_apart_and_carry_no_secret(
