@@ -113,6 +113,11 @@ class Measurements:
     contention: tuple[tuple[RequestRecord, tuple[RequestRecord, ...]], ...]  # (stream, prefills)
 
 
+def merge(a: Measurements, b: Measurements) -> Measurements:
+    """Two calibrations' measurements as one (each request keeps its own clock's times)."""
+    return Measurements(a.prefill + b.prefill, a.decode + b.decode, a.contention + b.contention)
+
+
 @dataclass(frozen=True, slots=True)
 class Calibration:
     """The simulator's terms for this machine and serving path (seconds, factors)."""

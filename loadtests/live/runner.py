@@ -145,16 +145,17 @@ def main(argv: Sequence[str]) -> int:
         return _run_store(args, spec, rates[0])
     fresh = args.fresh_prefixes or cluster is not None
     shifts = itertools.count(1 if fresh else 0)
-    calibrations: list[tuple[float, object]] = []
+    measured: list[object] = []  # --validate: a calibration before each rate and after the last
+    profile = ""
     try:
         with _target(args) as target:
 
             def run_at(rate: float | None) -> RunResult:
                 if cluster is not None and rate is not None:
-                    from loadtests.live.validation import calibrate
+                    from loadtests.live.validation import measure_now
 
                     # measured just before this rate, under the machine's conditions of now
-                    calibrations.append((rate, calibrate(args, spec, target, cluster, rate)))
+                    measured.append(measure_now(args, spec, target, cluster, rate))
                 shift = next(shifts) if fresh else 0
                 return _with_store_counters(
                     target.store_metrics,
@@ -187,13 +188,18 @@ def main(argv: Sequence[str]) -> int:
                     flush=True,
                 )
                 runs = [run_at(rate) for rate in rates]
+                if cluster is not None and rates[-1] is not None:
+                    from loadtests.live.validation import measure_now, profile_of
+
+                    measured.append(measure_now(args, spec, target, cluster, rates[-1]))
+                    profile = profile_of(args, target, cluster)
     except (TargetError, CalibrationError) as exc:
         print(f"strata loadtest: {exc}", file=sys.stderr)
         return 1
     if cluster is not None:
         from loadtests.live.validation import simulate_and_report
 
-        return simulate_and_report(args, spec, cluster, calibrations, runs)  # type: ignore[arg-type]
+        return simulate_and_report(args, spec, cluster, profile, measured, runs)  # type: ignore[arg-type]
     extra = ""
     if args.search:
         from loadtests.live.search import goodput

@@ -1,14 +1,13 @@
 """`strata loadtest WORKLOAD --up --rates a,b,c --validate CLUSTER.toml`: live against simulated.
 
-One command, on one running `strata up`, for each rate in turn:
-1. `calibrate`: the serving path measured through the API (loadtests/live/calibrate.py), just
-   before that rate's live run, under the machine's conditions of the moment (this machine is
-   shared: its speed drifts over minutes); the pulls come from the profile `strata up` used
-   (`--time-model` to give another);
-2. the live run at that rate (the runner; fresh prefixes, so each rate starts as cold as a
-   simulation does).
-Then `simulate_and_report`: each rate's requests (same seed, rate and duration) through the
-simulator on the cluster with the terms and time model measured before it, and one report of
+One command, on one running `strata up`: `measure_now` (the serving path through the API,
+loadtests/live/calibrate.py) before each rate's live run and once after the last, so every live
+run is bracketed by two calibrations taken under the machine's conditions of its minutes (this
+machine is shared: its speed drifts), and the live run of each rate in turn (the runner; fresh
+prefixes, so each rate starts as cold as a simulation does). Then `simulate_and_report`: each
+rate's terms fitted to the two calibrations around it together (the pulls from the profile
+`strata up` used, `--time-model` to give another), its requests (same seed, rate and duration)
+through the simulator on the cluster with those terms, and one report of
 both: the calibrations, the live and simulated runs side by side, and TTFT and TPOT p50 per rate
 with pass/fail (±25%, loadtests/sim/validate.py). The measurements are saved in the output
 folder (`calibration.json`, `calibrated_timemodel_K.json`, `live/report.json`) before the
@@ -28,7 +27,15 @@ from pathlib import Path
 import httpx
 
 from engine.router.core import TimeModel
-from loadtests.live.calibrate import Calibration, CalibrationError, fit, measure, plan_for
+from loadtests.live.calibrate import (
+    Calibration,
+    CalibrationError,
+    Measurements,
+    fit,
+    measure,
+    merge,
+    plan_for,
+)
 from loadtests.live.http_user import Sent, completion_body, stream_completion
 from loadtests.live.target import UpTarget
 from loadtests.report.files import write_report
@@ -37,25 +44,25 @@ from loadtests.sim.cluster import ClusterSpec
 from loadtests.workload import WorkloadSpec, generate_requests
 
 
-def calibrate(
+def profile_of(args: argparse.Namespace, target: UpTarget, cluster: ClusterSpec) -> str:
+    """The profile whose pulls the simulation uses: --time-model, `strata up`'s, the cluster's."""
+    return str(args.time_model or target.profile or cluster.time_model)
+
+
+def measure_now(
     args: argparse.Namespace,
     spec: WorkloadSpec,
     target: UpTarget,
     cluster: ClusterSpec,
     rate: float,
-) -> Calibration:
+) -> Measurements:
     """The serving path measured now, at the prompt lengths of `rate`'s requests."""
-    profile_path = args.time_model or target.profile or cluster.time_model
-    try:
-        profile = TimeModel.load(Path(profile_path).expanduser())
-    except (OSError, ValueError) as exc:
-        raise CalibrationError(f"cannot read the profile {profile_path}: {exc}") from exc
     duration = args.duration or spec.duration_s
     lengths = [r.prompt_tokens for r in generate_requests(spec, rate=rate, duration_s=duration)]
     plan = plan_for(lengths, spec.model.vocab_size, cluster.page_tokens, spec.model.token_low)
     print(
         f"calibrating the serving path at {target.base_url} (prompts of "
-        f"{', '.join(map(str, plan.prompt_lengths))} tokens; pulls from {profile_path})",
+        f"{', '.join(map(str, plan.prompt_lengths))} tokens)",
         flush=True,
     )
     http = httpx.Client(limits=httpx.Limits(max_connections=64))
@@ -82,19 +89,29 @@ def calibrate(
         measured = measure(send, plan, lambda line: print(f"  {line}", flush=True))
     finally:
         http.close()
-    cal = fit(
-        measured,
+    print(
+        f"  measured in {now():.1f} s (load average {os.getloadavg()[0]:.1f})",
+        flush=True,
+    )
+    return measured
+
+
+def fit_bracket(
+    before: Measurements, after: Measurements, profile_path: str, cluster: ClusterSpec
+) -> Calibration:
+    """The terms of the live run between two calibrations, fitted to both together."""
+    try:
+        profile = TimeModel.load(Path(profile_path).expanduser())
+    except (OSError, ValueError) as exc:
+        raise CalibrationError(f"cannot read the profile {profile_path}: {exc}") from exc
+    return fit(
+        merge(before, after),
         profile,
         page_tokens=cluster.page_tokens,
         page_bytes=cluster.page_bytes,
-        note=f"measured through {target.base_url} by strata loadtest --validate; pulls from "
+        note=f"measured by strata loadtest --validate before and after a live run; pulls from "
         f"{profile_path}",
     )
-    print(
-        f"  calibrated in {now():.1f} s (load average {os.getloadavg()[0]:.1f}): {cal.summary()}",
-        flush=True,
-    )
-    return cal
 
 
 def save_calibrations(cals: Sequence[tuple[float, Calibration]], out: Path) -> Path:
@@ -122,9 +139,11 @@ def simulate_and_report(
     args: argparse.Namespace,
     spec: WorkloadSpec,
     cluster: ClusterSpec,
-    cals: Sequence[tuple[float, Calibration]],
+    profile_path: str,
+    measured: Sequence[Measurements],
     live: Sequence[RunResult],
 ) -> int:
+    """Fit each live run's terms to the calibrations before and after it, simulate, report."""
     from loadtests.report.compare import side_by_side
     from loadtests.sim.validate import (
         load_calibration,
@@ -135,6 +154,14 @@ def simulate_and_report(
 
     out = Path(args.out)
     write_report(live, out / "live", f"Live: {spec.name}", plots=False)
+    if len(measured) != len(live) + 1:
+        raise CalibrationError(f"{len(live)} live runs need {len(live) + 1} calibrations")
+    cals = [
+        (run.target_rate, fit_bracket(measured[k], measured[k + 1], profile_path, cluster))
+        for k, run in enumerate(live)
+    ]
+    for rate, cal in cals:
+        print(f"  terms for {rate:g}/s: {cal.summary()}", flush=True)
     saved = save_calibrations(cals, out)
     print(
         f"simulating the same requests on {cluster.name} ({cluster.layout}) with the measured "
@@ -160,9 +187,8 @@ def simulate_and_report(
             + f" | {cal.model_summary()} |"
         )
     extra = (
-        "## Serving-path calibration (measured just before each live rate)\n\n"
-        + "\n".join(lines)
-        + "\n\n"
+        "## Serving-path calibration (measured before and after each live rate)\n\n"
+        f"Pulls from {profile_path}.\n\n" + "\n".join(lines) + "\n\n"
         "## Live vs simulated\n\n"
         f"{table}\n\n**{within} of {points} within ±25%**\n"
     )
