@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from engine.router.core import (
+    TIERS,
     Admission,
     Candidate,
     DecodeCoeffs,
@@ -29,7 +30,12 @@ from engine.router.core import (
     build_policy,
     explain,
 )
-from engine.router.core.estimate import batch_step_s, decode_load, estimate_prefill
+from engine.router.core.estimate import (
+    batch_step_s,
+    decode_load,
+    estimate_prefill,
+    prefix_groups,
+)
 from engine.router.core.types import CandidateList
 
 pytestmark = pytest.mark.unit
@@ -376,3 +382,26 @@ def test_strata_builds_its_explanation_only_when_asked() -> None:
     assert cands[0]["rejected_because"] == "" and cands[0]["prefill"] == out.prefill_id
     assert all(c["rejected_because"] for c in cands[1:])
     assert {c["prefill"] for c in cands} == {f"p{i}:1" for i in range(4)}
+
+
+def test_prefix_groups_of_one_tier_match_the_general_grouping() -> None:
+    """The shortcuts for a hit in one tier (on one node, or spread over nodes) group the pages
+    as counting every (tier, host) pair does, in first-seen order."""
+    rng = random.Random(3)
+    for _ in range(200):
+        pages = rng.randrange(1, 40)
+        tiers = rng.choice((("dram",) * pages, tuple(rng.choice(TIERS) for _ in range(pages))))
+        hosts = rng.choice((("A",) * pages, tuple(rng.choice("ABC") for _ in range(pages))))
+        req = RequestView(
+            "r", rng.randrange(1, 800), 4, prefix=PrefixHit(pages, tiers, hosts), page_tokens=PAGE
+        )
+        got = prefix_groups(req)
+        usable = max(0, min(pages, (req.prompt_tokens - 1) // PAGE))
+        want: dict[str, dict[str, int]] = {}
+        for tier, host in zip(tiers[:usable], hosts[:usable], strict=True):
+            want.setdefault(tier, {}).setdefault(host, 0)
+            want[tier][host] += 1
+        assert got.pages == usable
+        assert [(t, n, list(h.items())) for t, n, h in got.by_tier] == [
+            (t, sum(h.values()), list(h.items())) for t, h in want.items()
+        ]

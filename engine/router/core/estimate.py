@@ -56,8 +56,10 @@ def prefix_groups(request: RequestView) -> PrefixGroups:
         return PrefixGroups(0, ())
     tiers, hosts = request.prefix.tiers[:usable], request.prefix.node_hosts[:usable]
     tier, host = tiers[0], hosts[0]
-    if tiers.count(tier) == usable and hosts.count(host) == usable:  # one tier on one node
-        return PrefixGroups(usable, ((tier, usable, {host: usable}),))
+    if tiers.count(tier) == usable:  # one tier (on one node, or spread over nodes)
+        if hosts.count(host) == usable:
+            return PrefixGroups(usable, ((tier, usable, {host: usable}),))
+        return PrefixGroups(usable, ((tier, usable, dict(Counter(hosts))),))
     per_tier: dict[str, dict[str, int]] = {}
     # (PrefixHit checks that tiers and hosts are as long as the hit)
     for (tier, host), count in Counter(zip(tiers, hosts)).items():  # noqa: B905
