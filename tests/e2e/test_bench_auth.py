@@ -26,6 +26,8 @@ def test_bench_auth_times_both_daemons(tmp_path: Path, capsys: pytest.CaptureFix
             assert report[f"{kind}_open{stat}_us"] > 0 and report[f"{kind}_tokens{stat}_us"] > 0
             assert report[f"{kind}_tokens_over_open{stat}_ratio"] > 0
         assert report[f"{kind}_paired_ratio"] > 0
+        for daemon in ("open", "tokens"):  # a percentile within the times, below the median
+            assert 0 < report[f"{kind}_{daemon}_p10_us"] <= report[f"{kind}_{daemon}_us"]
     printed = capsys.readouterr().out
     assert "lookup median" in printed and "get    paired" in printed
 
