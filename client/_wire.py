@@ -60,6 +60,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 72 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_RETRY_AFTER_S = 0.5
 RETRY_AFTER_KEY = "retry-after-ms"
+RETRY_AFTER_S_KEY = "x-strata-retry-after"  # the same hint in seconds
 # Room left in a message for everything but the chunk data (a page header is a few KiB at most).
 _CHUNK_OVERHEAD_BYTES = 64 << 10
 
@@ -264,17 +265,19 @@ def event_from_proto(msg: pb.Event) -> Event:
 
 
 def retry_after_s(trailing: Iterable[tuple[str, str | bytes]] | None) -> float:
-    """The server's retry hint from trailing metadata, in seconds (default 0.5 s)."""
+    """The server's retry hint from trailing metadata, in seconds (default 0.5 s):
+    `x-strata-retry-after` (seconds) or `retry-after-ms`."""
     for key, value in trailing or ():
-        if key.lower() != RETRY_AFTER_KEY:
+        scale = {RETRY_AFTER_KEY: 1000.0, RETRY_AFTER_S_KEY: 1.0}.get(key.lower())
+        if scale is None:
             continue
         text = value.decode() if isinstance(value, bytes) else value
         try:
-            ms = float(text)
+            hint = float(text)
         except ValueError:
             break
-        if ms >= 0:
-            return ms / 1000.0
+        if hint >= 0:
+            return hint / scale
         break
     return DEFAULT_RETRY_AFTER_S
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.errors import InvalidArgument
+from kvstore.quota import NamespaceQuota, parse_quotas
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -219,6 +220,8 @@ class StoreConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    # [[quota]] tables: per-namespace byte quotas per tier (kvstore/quota.py); file only
+    quota: tuple[NamespaceQuota, ...] = ()
 
     @property
     def data_path(self) -> Path:
@@ -430,7 +433,9 @@ def load_config(
             raise InvalidArgument(f"cannot read config file {path}: {exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise InvalidArgument(f"config file {path} is not valid TOML: {exc}") from None
+        quotas = parse_quotas(data.pop("quota", []))
         config = _apply(config, data, "")
+        config = dataclasses.replace(config, quota=quotas)  # type: ignore[type-var]
     config = _apply(config, _nest(_env_settings(env)), "")
     if overrides:
         config = _apply(config, _nest(dict(overrides)), "")

@@ -114,6 +114,11 @@ class Index:
         self._scopes: dict[bytes, dict[bytes, None]] = {}
         self._pages = dict.fromkeys(_TIERS, 0)
         self._bytes = dict.fromkeys(_TIERS, 0)
+        # per scope digest: payload bytes resident per tier (GPU, DRAM, SSD); and the namespace
+        # each digest belongs to, as the store learns it from puts (kvstore/quota.py)
+        self._digest_bytes: dict[bytes, list[int]] = {}
+        self._digest_ns: dict[bytes, str] = {}
+        self._ns_digests: dict[str, set[bytes]] = {}
         # tier -> (probation, protected, inner); values are the entry's stamp in that tier.
         self._order: dict[Tier, tuple[OrderedDict[bytes, int], ...]] = {
             t: (OrderedDict(), OrderedDict(), OrderedDict()) for t in _TIERS
@@ -156,6 +161,39 @@ class Index:
         if entry is not None:
             return entry.scope_digest
         return self.chain.scope_of(key)
+
+    def name_scope(self, scope_digest: bytes, namespace: str) -> None:
+        """Record that `scope_digest` is a scope of `namespace` (a put of it says so): its pages,
+        already present or to come, count toward that namespace. Forgotten when the scope's last
+        page goes. Mutates (no entry)."""
+        if self._digest_ns.get(scope_digest) == namespace:
+            return
+        old = self._digest_ns.get(scope_digest)
+        if old is not None:  # a digest names one scope: only a collision could get here
+            self._ns_digests[old].discard(scope_digest)
+        self._digest_ns[scope_digest] = namespace
+        self._ns_digests.setdefault(namespace, set()).add(scope_digest)
+
+    def namespace_of(self, scope_digest: bytes) -> str | None:
+        """The namespace a scope digest was named under, or None. Read-only."""
+        return self._digest_ns.get(scope_digest)
+
+    def namespace_bytes(self, namespace: str, tier: Tier) -> int:
+        """Payload bytes of `namespace`'s pages resident in `tier`. Read-only."""
+        total = 0
+        for digest in self._ns_digests.get(namespace, ()):
+            held = self._digest_bytes.get(digest)
+            if held is not None:
+                total += held[tier - 1]
+        return total
+
+    def namespaces(self) -> list[str]:
+        """The namespaces named so far that still have pages (or a put naming them)."""
+        return [ns for ns, digests in self._ns_digests.items() if digests]
+
+    def digests_of(self, namespace: str) -> frozenset[bytes]:
+        """The scope digests named under `namespace`. Read-only."""
+        return frozenset(self._ns_digests.get(namespace, ()))
 
     def keys_of_scope(self, scope_digest: bytes) -> list[bytes]:
         """Keys of the pages of one scope, in insertion order."""
@@ -251,7 +289,11 @@ class Index:
     def _register(self, entry: PageEntry) -> None:
         key = entry.key
         self._entries[key] = entry
-        self._scopes.setdefault(entry.scope_digest, {})[key] = None
+        scope = self._scopes.get(entry.scope_digest)
+        if scope is None:
+            scope = self._scopes[entry.scope_digest] = {}
+            self._digest_bytes[entry.scope_digest] = [0, 0, 0]
+        scope[key] = None
         self._children.setdefault(entry.parent, set()).add(key)
 
     def _count_children(self, key: bytes) -> None:
@@ -274,7 +316,14 @@ class Index:
         scope = self._scopes[entry.scope_digest]
         del scope[key]
         if not scope:
-            del self._scopes[entry.scope_digest]
+            digest = entry.scope_digest
+            del self._scopes[digest], self._digest_bytes[digest]
+            namespace = self._digest_ns.pop(digest, None)
+            if namespace is not None:
+                named = self._ns_digests[namespace]
+                named.discard(digest)
+                if not named:
+                    del self._ns_digests[namespace]
         siblings = self._children[entry.parent]
         siblings.discard(key)
         if not siblings:
@@ -414,6 +463,7 @@ class Index:
         `parent_counted`: the parent's child counts already include this arrival."""
         self._pages[tier] += 1
         self._bytes[tier] += entry.payload_bytes
+        self._digest_bytes[entry.scope_digest][tier - 1] += entry.payload_bytes
         self._tick += 1
         # just arrived in `tier`, so in none of its lists yet: file it fresh (what _refile does
         # for this case, without looking for it first)
@@ -434,6 +484,7 @@ class Index:
         """`entry` is about to stop being resident in `tier`: counts, parent, lists."""
         self._pages[tier] -= 1
         self._bytes[tier] -= entry.payload_bytes
+        self._digest_bytes[entry.scope_digest][tier - 1] -= entry.payload_bytes
         for segment in self._order[tier]:
             if segment.pop(entry.key, None) is not None:
                 self._version += 1
@@ -474,6 +525,16 @@ class Index:
             fail("parent -> children links differ from the entries' parent fields")
         if scopes != {d: set(keys) for d, keys in self._scopes.items()}:
             fail("scope index differs from the entries' scope digests")
+        per_digest: dict[bytes, list[int]] = {d: [0, 0, 0] for d in scopes}
+        for entry in self._entries.values():
+            for t in entry.tiers:
+                per_digest[entry.scope_digest][t - 1] += entry.payload_bytes
+        if per_digest != self._digest_bytes:
+            fail("per-scope byte counts differ from the entries'")
+        if set(self._digest_ns) - set(self._digest_bytes):
+            fail("a namespace is recorded for a scope with no pages")
+        if {d for ds in self._ns_digests.values() for d in ds} != set(self._digest_ns):
+            fail("namespace -> scopes differs from scope -> namespace")
         if pages != self._pages or nbytes != self._bytes:
             fail(f"tier counts {self._pages}/{self._bytes}, recomputed {pages}/{nbytes}")
         if self._kids_in.keys() != self._entries.keys():

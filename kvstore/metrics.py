@@ -50,11 +50,21 @@ class StoreCounters:
     shm_put_corrupt: int = 0  # same-host puts whose payload failed the daemon's check: dropped
     quarantined_slots: int = 0  # slots of expired same-host leases held until their holder is done
     chain_rejected: int = 0  # puts refused because a page's key chain did not verify
+    # namespace -> puts refused (or SSD writes skipped) because it was at its quota
+    quota_refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_bytes(self, path: str, direction: str, io_class: IoClass, n_bytes: int) -> None:
         with self.lock:
             self.bytes_moved[(path, direction, io_class)] += n_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceGauge:
+    namespace: str
+    tier: Tier
+    used_bytes: int
+    quota_bytes: int  # 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +84,13 @@ class StoreCollector:
         tiers: Callable[[], list[TierGauge]],
         queue_depths: Callable[[], dict[IoClass, int]],
         active_leases: Callable[[], int],
+        namespaces: Callable[[], list[NamespaceGauge]] | None = None,
     ) -> None:
         self._c = counters
         self._tiers = tiers
         self._queues = queue_depths
         self._leases = active_leases
+        self._namespaces = namespaces
 
     def collect(self) -> Iterator[Metric]:
         c = self._c
@@ -89,6 +101,7 @@ class StoreCollector:
             moved = dict(c.bytes_moved)
             demotions = dict(c.demotions)
             promotions = dict(c.promotions)
+            quota_refused = dict(c.quota_refused)
             scalars = (
                 c.corrupt_dropped,
                 c.lease_expiries,
@@ -149,6 +162,32 @@ class StoreCollector:
             "Puts refused because a page's key chain did not verify",
             value=chain,
         )
+        fam = CounterMetricFamily(
+            "strata_quota_refused",
+            "Puts refused (and SSD writes skipped) because a namespace was at its quota",
+            labels=["namespace"],
+        )
+        for namespace, value in sorted(quota_refused.items()):
+            fam.add_metric([namespace], value)
+        yield fam
+        if self._namespaces is not None:
+            held = GaugeMetricFamily(
+                "strata_namespace_bytes",
+                "Payload bytes of a namespace's pages per tier",
+                labels=["namespace", "tier"],
+            )
+            limit = GaugeMetricFamily(
+                "strata_namespace_quota_bytes",
+                "A namespace's byte quota per tier (namespaces with one)",
+                labels=["namespace", "tier"],
+            )
+            for usage in self._namespaces():
+                name = TIER_NAMES[usage.tier]
+                held.add_metric([usage.namespace, name], usage.used_bytes)
+                if usage.quota_bytes:
+                    limit.add_metric([usage.namespace, name], usage.quota_bytes)
+            yield held
+            yield limit
         used = GaugeMetricFamily("strata_tier_used_bytes", "Bytes in use per tier", labels=["tier"])
         cap = GaugeMetricFamily(
             "strata_tier_capacity_bytes", "Byte budget per tier", labels=["tier"]

@@ -15,6 +15,7 @@ it clears the upper one; a page that cannot go lower is dropped whole (and an ev
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 from kvstore.errors import CapacityExhausted
 from kvstore.events import EventKind, EventLog
@@ -22,6 +23,7 @@ from kvstore.index import Index, PageEntry
 from kvstore.keys import Tier
 from kvstore.metrics import StoreCounters, TierGauge
 from kvstore.policy import SsdAdmission
+from kvstore.quota import Quotas
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.gpu import GpuTier
 from kvstore.tiers.ssd import SsdTier
@@ -56,6 +58,7 @@ class Tiers:
         counters: StoreCounters,
         events: EventLog,
         retry_after_s: float = 0.5,
+        quotas: Quotas | None = None,
     ) -> None:
         self.index = index
         self.dram = dram
@@ -65,6 +68,35 @@ class Tiers:
         self.counters = counters
         self.events = events
         self.retry_after_s = retry_after_s
+        self.quotas = quotas or Quotas()
+
+    # ---- eviction order across namespaces (kvstore/quota.py) --------------------------------
+
+    def over_share(self, tier: Tier) -> frozenset[bytes]:
+        """Scope digests of the namespaces holding more of `tier` than their quota."""
+        quotas = self.quotas
+        if not quotas.enabled:
+            return frozenset()
+        over: set[bytes] = set()
+        for namespace in self.index.namespaces():
+            limit = quotas.limit(namespace, tier)
+            if limit and self.index.namespace_bytes(namespace, tier) > limit:
+                over |= self.index.digests_of(namespace)
+        return frozenset(over)
+
+    def candidates(self, tier: Tier, only: frozenset[bytes] | None = None) -> Iterator[PageEntry]:
+        """`Index.eviction_candidates(tier)`, pages of namespaces over their share of the tier
+        first (then every page, in its order; one a caller left in place may come twice). With
+        `only`: just the pages of those scope digests. Lazy, as the index's iterator."""
+        first = self.over_share(tier) if only is None else only
+        if first:
+            for scanned, entry in enumerate(self.index.eviction_candidates(tier)):
+                if scanned > _MAX_VICTIM_SCAN:
+                    break
+                if entry.scope_digest in first:
+                    yield entry
+        if only is None:
+            yield from self.index.eviction_candidates(tier)
 
     # ---- allocation with eviction ---------------------------------------------------------
 
@@ -79,7 +111,7 @@ class Tiers:
         offset = self.dram.allocate(n_bytes)
         scanned = 0
         while offset is None:
-            victim = next(self.index.eviction_candidates(Tier.DRAM), None)
+            victim = next(self.candidates(Tier.DRAM), None)
             if victim is None or scanned > _MAX_VICTIM_SCAN:
                 with self.counters.lock:
                     self.counters.refused_full += 1
@@ -145,7 +177,7 @@ class Tiers:
                 return 0
             return max(slot * count - free, slot)
 
-        for scanned, victim in enumerate(self.index.eviction_candidates(Tier.DRAM)):
+        for scanned, victim in enumerate(self.candidates(Tier.DRAM)):
             if short() == 0 or scanned > _MAX_VICTIM_SCAN:
                 break
             if victim.dram is None:
@@ -156,24 +188,76 @@ class Tiers:
             self.demote_dram(victim)  # dropped, or its SSD copy kept: no I/O
         return []
 
-    def make_room_ssd(self, n_bytes: int) -> None:
-        """Evict SSD pages until n_bytes more fit. Mutates; raises CapacityExhausted if it cannot."""
+    def make_room_ssd(
+        self, n_bytes: int, scope_digest: bytes = b"", payload_bytes: int = 0
+    ) -> None:
+        """Evict SSD pages until n_bytes more fit, for a page of `scope_digest` with
+        `payload_bytes` of payload: first, while its namespace would be over its SSD quota, that
+        namespace's own pages. Mutates; raises CapacityExhausted if it cannot."""
         ssd = self.ssd
         assert ssd is not None
         if n_bytes > ssd.capacity_bytes:
             raise CapacityExhausted(f"page of {n_bytes} bytes exceeds the SSD tier's budget")
+        namespace = self.index.namespace_of(scope_digest) if scope_digest else None
+        limit = self.quotas.limit(namespace, Tier.SSD) if namespace is not None else 0
+        if limit:
+            if payload_bytes > limit:
+                raise CapacityExhausted(
+                    f"a page of {payload_bytes} bytes exceeds namespace {namespace!r}'s SSD quota"
+                )
+            own = self.index.digests_of(namespace or "")
+            while self.index.namespace_bytes(namespace or "", Tier.SSD) + payload_bytes > limit:
+                victim = next(self.candidates(Tier.SSD, only=own), None)
+                if victim is None:
+                    self._count_quota(namespace or "")
+                    raise CapacityExhausted(
+                        f"namespace {namespace!r} is at its SSD quota of {limit} bytes and every "
+                        "page of it there is leased",
+                        retry_after_s=self.retry_after_s,
+                    )
+                self._evict_ssd(victim)
         while ssd.used_bytes + n_bytes > ssd.capacity_bytes:
-            victim = next(self.index.eviction_candidates(Tier.SSD), None)
+            victim = next(self.candidates(Tier.SSD), None)
             if victim is None:
                 raise CapacityExhausted(
                     "SSD tier full and every page in it is leased", retry_after_s=self.retry_after_s
                 )
-            self._bump(self.counters.evictions, Tier.SSD)
-            ssd.delete(victim.key)
-            if victim.dram is None and victim.gpu is None:
-                self.drop(victim, reason_tier=Tier.SSD, count_eviction=False)
-            else:
-                self.index.set_residency(victim.key, Tier.SSD, False)
+            self._evict_ssd(victim)
+
+    def _evict_ssd(self, victim: PageEntry) -> None:
+        assert self.ssd is not None
+        self._bump(self.counters.evictions, Tier.SSD)
+        self.ssd.delete(victim.key)
+        if victim.dram is None and victim.gpu is None:
+            self.drop(victim, reason_tier=Tier.SSD, count_eviction=False)
+        else:
+            self.index.set_residency(victim.key, Tier.SSD, False)
+
+    def plan_namespace_room(
+        self, namespace: str, page_bytes: int, count: int, reserved: int
+    ) -> list[PageEntry]:
+        """Move `namespace`'s own pages out of DRAM until `count` more pages of `page_bytes`
+        (beyond `reserved` bytes it has reserved) fit its DRAM quota, as far as that takes no
+        disk I/O; name the next of its pages that must be written to SSD first (none: they fit,
+        or nothing of it can leave). Mutates, as `plan_dram_room`."""
+        limit = self.quotas.limit(namespace, Tier.DRAM)
+        if not limit:
+            return []
+        own = self.index.digests_of(namespace)
+        need = page_bytes * count
+        for victim in self.candidates(Tier.DRAM, only=own):
+            if self.index.namespace_bytes(namespace, Tier.DRAM) + reserved + need <= limit:
+                break
+            if victim.dram is None:
+                continue
+            if self.needs_ssd_write(victim):
+                return [victim]
+            self.demote_dram(victim)
+        return []
+
+    def _count_quota(self, namespace: str) -> None:
+        with self.counters.lock:
+            self.counters.quota_refused[namespace] += 1
 
     # ---- demotion ---------------------------------------------------------------------------
 

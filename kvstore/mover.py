@@ -163,7 +163,7 @@ class Mover:
         moved = 0
         while dram.used_bytes > target:
             with self._lock:
-                victim = next(self._tiers.index.eviction_candidates(Tier.DRAM), None)
+                victim = next(self._tiers.candidates(Tier.DRAM), None)
                 if victim is None:
                     break
                 needs_io = (
@@ -204,7 +204,9 @@ class Mover:
             if self._tiers.index.get(key) is not entry or entry.dram is None:
                 return True
             try:
-                self._tiers.make_room_ssd(entry.payload_bytes + len(entry.header))
+                self._tiers.make_room_ssd(
+                    entry.payload_bytes + len(entry.header), entry.scope_digest, entry.payload_bytes
+                )
             except CapacityExhausted as exc:
                 log.debug("background SSD write skipped: %s", exc)
                 if clear_dram and must_leave and entry.leases == 0:

@@ -76,7 +76,12 @@ class NodeIdentity:
 def _abort(context: grpc.ServicerContext, exc: StrataError) -> None:
     code = next((c for cls, c in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
     if isinstance(exc, CapacityExhausted):
-        context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
+        context.set_trailing_metadata(
+            (
+                ("retry-after-ms", str(int(exc.retry_after_s * 1000))),
+                ("x-strata-retry-after", f"{exc.retry_after_s:.3f}"),  # seconds
+            )
+        )
     context.abort(code, str(exc))
 
 

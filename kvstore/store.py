@@ -37,10 +37,11 @@ from kvstore.fence import DAEMON, Holder, Quarantine
 from kvstore.index import Index, PageEntry
 from kvstore.keys import IoClass, Tier
 from kvstore.leases import Lease, LeaseKind, LeaseTable
-from kvstore.metrics import StoreCounters, TierGauge
+from kvstore.metrics import NamespaceGauge, StoreCounters, TierGauge
 from kvstore.movement import NeedsDemotion, Tiers
 from kvstore.mover import Mover
 from kvstore.policy import WriteMode, make_admission
+from kvstore.quota import Quotas
 from kvstore.scheduler import IoScheduler
 from kvstore.tiers.dram import DramTier
 from kvstore.tiers.faults import faults_from_config
@@ -175,6 +176,7 @@ class Store:
             make_admission(config.ssd.admission),
             self.counters,
             self.events,
+            quotas=Quotas(config.quota),
         )
         self._pending: dict[int, list[_Pending | None]] = {}
         self._pending_class: dict[int, IoClass] = {}  # I/O class each reservation was made in
@@ -182,6 +184,10 @@ class Store:
         self._pending_holder: dict[int, Holder] = {}  # who copies into each reservation's slots
         self._pending_client: dict[int, tuple[str, int]] = {}  # lease -> (client, bytes)
         self._reserved_bytes: dict[str, int] = {}  # client -> DRAM bytes it holds reserved
+        # namespace quotas (kvstore/quota.py): lease -> (namespace, payload bytes reserved), and
+        # namespace -> payload bytes its live reservations hold
+        self._pending_ns: dict[int, tuple[str, int]] = {}
+        self._ns_reserved: dict[str, int] = {}
         self._doomed: set[bytes] = set()
         # pages put again while their deleted predecessor is still leased: stored when it goes
         self._replacing: dict[bytes, _Pending] = {}
@@ -416,6 +422,20 @@ class Store:
         plan = self.plan_put(scope, raw_headers, chain_prefix)
         limits = self.config.limits
         ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
+        namespace = scope.namespace
+        quota = self.tiers.quotas.limit(namespace, _DRAM)
+        for _ in range(_ROOM_ROUNDS if quota else 0):  # the namespace's own pages make room
+            with self._lock:
+                count = sum(1 for i in plan.new if self._writable(plan.headers[i].key))
+                victims = self.tiers.plan_namespace_room(
+                    namespace,
+                    scope.page_payload_bytes,
+                    count,
+                    self._ns_reserved.get(namespace, 0),
+                )
+            if not victims:
+                break
+            self._write_out(victims, io_class)
         for _ in range(_ROOM_ROUNDS):  # pages that must go to SSD to make room: written unlocked
             with self._lock:
                 count = sum(1 for i in plan.new if self._writable(plan.headers[i].key))
@@ -461,6 +481,21 @@ class Store:
             self.reap_leases()
             new = [i for i in plan.new if self._writable(plan.headers[i].key)]
             slot_bytes = self.tiers.dram.slot_bytes_for(scope.page_payload_bytes) * len(new)
+            namespace = scope.namespace
+            need = scope.page_payload_bytes * len(new)
+            quota = self.tiers.quotas.limit(namespace, _DRAM)
+            if quota and new:
+                held = self.index.namespace_bytes(namespace, _DRAM)
+                held += self._ns_reserved.get(namespace, 0)
+                if held + need > quota:
+                    with self.counters.lock:
+                        self.counters.quota_refused[namespace] += 1
+                    raise CapacityExhausted(
+                        f"namespace {namespace!r} holds {held} bytes of DRAM (reserved "
+                        f"included); this put needs {need} more and its quota is {quota}: "
+                        "retry once its pages have left DRAM",
+                        retry_after_s=self.tiers.retry_after_s,
+                    )
             if client and new:
                 held = self._reserved_bytes.get(client, 0)
                 cap = self.config.reserved_bytes_per_client
@@ -486,6 +521,8 @@ class Store:
                 self._pending_client[lease.lease_id] = (client, slot_bytes)
             self._pending[lease.lease_id] = granted
             self._pending_class[lease.lease_id] = io_class
+            self._pending_ns[lease.lease_id] = (namespace, need)
+            self._ns_reserved[namespace] = self._ns_reserved.get(namespace, 0) + need
             self._pending_holder[lease.lease_id] = holder
             busy = [
                 p is None and h.key in self._pending_keys
@@ -519,6 +556,7 @@ class Store:
             self.leases.release(lease_id)
             granted = self._pending.pop(lease_id, None)
             self._pending_holder.pop(lease_id, None)
+            namespace = self._pending_ns.get(lease_id, ("", 0))[0]
             self._unreserve(lease_id)
             reserved_class = self._pending_class.pop(lease_id, IoClass.NORMAL)
             io_class = io_class or reserved_class
@@ -559,6 +597,8 @@ class Store:
                     )
                 )
             index.insert_many(entries, checked=True)  # built from headers plan_put checked
+            if entries:  # they count toward their namespace's quota (kvstore/quota.py)
+                index.name_scope(entries[0].scope_digest, namespace)
             if path == "shm":  # copied in by a client: checked off its critical path
                 self._unverified.update(e.key for e in entries)
             self.events.publish_many(
@@ -985,7 +1025,16 @@ class Store:
             self._unpin(key)
 
     def _unreserve(self, lease_id: int) -> None:
-        """A reservation ended: its bytes leave its client's share. Lock held."""
+        """A reservation ended: its bytes leave its client's and its namespace's share. Lock
+        held."""
+        held = self._pending_ns.pop(lease_id, None)
+        if held is not None:
+            namespace, n_bytes = held
+            left = self._ns_reserved[namespace] - n_bytes
+            if left > 0:
+                self._ns_reserved[namespace] = left
+            else:
+                del self._ns_reserved[namespace]
         owner = self._pending_client.pop(lease_id, None)
         if owner is None:
             return
@@ -1115,6 +1164,19 @@ class Store:
             stray = set(self._pending_holder) - set(self._pending)
             if stray:
                 raise RuntimeError(f"holders of reservations that are gone: {sorted(stray)}")
+
+    def namespace_usage(self) -> list[NamespaceGauge]:
+        """Bytes per namespace and tier, with its quota (metrics). Read-only."""
+        quotas = self.tiers.quotas
+        tiers = [t for t in (Tier.GPU, Tier.DRAM, Tier.SSD) if t is not Tier.GPU or self.tiers.gpu]
+        with self._lock:
+            names = set(self.index.namespaces()) | set(quotas.named())
+            return [
+                NamespaceGauge(ns, t, self.index.namespace_bytes(ns, t), quotas.limit(ns, t))
+                for ns in sorted(names)
+                for t in tiers
+                if t is not Tier.SSD or self.tiers.ssd is not None
+            ]
 
     def index_keys(self) -> list[bytes]:
         with self._lock:

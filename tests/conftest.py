@@ -183,7 +183,8 @@ class FakeClock:
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
     """Start in-process daemons: `daemon_factory(dram="32MiB", ssd="64MiB", settings={...},
-    data_dir=None, clock=False)`. `ssd=None` disables the SSD tier; `settings` are dotted config
+    data_dir=None, clock=False, config_file=None)`. `ssd=None` disables the SSD tier; a
+    `config_file` (TOML: [[quota]] tables, say) is read under the settings; `settings` are dotted config
     keys (e.g. {"ssd.write_mode": "write-through"}); `clock=True` gives the store a FakeClock
     (`running.clock.advance(s)` then `store.reap_leases()`). Every daemon is stopped at teardown."""
     started: list[RunningDaemon] = []
@@ -196,6 +197,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
         settings: Mapping[str, str] | None = None,
         data_dir: Path | None = None,
         clock: bool = False,
+        config_file: Path | None = None,
     ) -> RunningDaemon:
         data = data_dir or tmp_path / f"data{len(started)}"
         values: dict[str, str] = {
@@ -215,7 +217,7 @@ def daemon_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
         else:
             values["ssd.capacity_bytes"] = ssd
         values.update(settings or {})
-        daemon = Daemon(load_config(env={}, overrides=values))
+        daemon = Daemon(load_config(config_file, env={}, overrides=values))
         fake = FakeClock() if clock else None
         if fake is not None:  # the Daemon builds its Store itself: hand it the clock
             with pytest.MonkeyPatch.context() as mp:

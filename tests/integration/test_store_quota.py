@@ -1,0 +1,231 @@
+"""Per-namespace byte quotas per tier ([[quota]] tables, kvstore/quota.py) against a live daemon:
+a namespace at its DRAM quota makes room from its own pages, and when none can leave its put is
+RESOURCE_EXHAUSTED with a retry hint while other namespaces keep serving; a namespace's SSD quota
+holds the same way; pages of a namespace over its share leave a full tier first; usage and
+refusals per namespace are on /metrics; a bad [[quota]] table is a clear config error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import PAGE_BYTES, DaemonFactory, RunningDaemon, keys_of, make_scope, singles
+from test_store_paths import metric, scrape
+
+from client import CapacityExhausted, IoClass, Page, Scope, StoreClient, Tier
+from client._wire import put_requests
+from kvstore.config import load_config
+from kvstore.errors import InvalidArgument
+from kvstore.quota import NamespaceQuota, Quotas, parse_quotas
+
+pytestmark = pytest.mark.integration
+
+A, B = make_scope("tenant-a"), make_scope("tenant-b")
+PAGES = 8  # tenant-a's DRAM quota, in pages
+
+
+def quota_file(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "quota.toml"
+    path.write_text(body)
+    return path
+
+
+def quota_daemon(
+    daemon_factory: DaemonFactory, tmp_path: Path, *, ssd: str | None = "64MiB", extra: str = ""
+) -> RunningDaemon:
+    body = f'[[quota]]\nnamespace = "tenant-a"\ndram = "{PAGES * PAGE_BYTES}"\n{extra}'
+    return daemon_factory(
+        dram="2MiB",
+        ssd=ssd,
+        config_file=quota_file(tmp_path, body),
+        settings={"dram.high_watermark": "1.0", "dram.low_watermark": "1.0"},
+    )
+
+
+def dram_bytes(d: RunningDaemon, scope: Scope) -> int:
+    with d.store._lock:
+        return d.store.index.namespace_bytes(scope.namespace, Tier.DRAM)
+
+
+def ssd_bytes(d: RunningDaemon, scope: Scope) -> int:
+    with d.store._lock:
+        return d.store.index.namespace_bytes(scope.namespace, Tier.SSD)
+
+
+def put_each(client: StoreClient, scope: Scope, pages: list[Page]) -> None:
+    for page in pages:
+        assert client.put(scope, [page]).stored == 1
+
+
+def test_a_namespace_at_its_dram_quota_makes_room_from_its_own_pages(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    d = quota_daemon(daemon_factory, tmp_path)
+    client = d.client(shared_memory=True)
+    theirs = singles(B, 12, seed=2)
+    put_each(client, B, theirs)
+    mine = singles(A, 3 * PAGES, seed=1)
+    put_each(client, A, mine)
+    assert dram_bytes(d, A) == PAGES * PAGE_BYTES  # at the quota, never over it
+    # the oldest of tenant-a's pages went to SSD (nothing of them lost); tenant-b's stayed
+    assert all(d.tier_of(p.header.key) == (Tier.SSD,) for p in mine[:PAGES])
+    assert all(Tier.DRAM in d.tier_of(p.header.key) for p in mine[-PAGES:])
+    assert all(Tier.DRAM in d.tier_of(p.header.key) for p in theirs)
+    assert client.lookup(A, keys_of(mine[:1])).hit_count == 1
+    d.check()
+
+
+def test_without_ssd_the_namespace_loses_its_own_oldest_pages_not_another_namespaces(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    d = quota_daemon(daemon_factory, tmp_path, ssd=None)
+    client = d.client(shared_memory=False)
+    theirs = singles(B, 12, seed=4)
+    put_each(client, B, theirs)
+    mine = singles(A, 2 * PAGES, seed=3)
+    put_each(client, A, mine)
+    assert dram_bytes(d, A) == PAGES * PAGE_BYTES
+    assert client.lookup(A, keys_of(mine[:1])).hit_count == 0  # evicted
+    assert all(d.tier_of(p.header.key) == (Tier.DRAM,) for p in mine[PAGES:])
+    assert all(d.tier_of(p.header.key) == (Tier.DRAM,) for p in theirs)
+    d.check()
+
+
+@pytest.mark.parametrize("path", ["shm", "grpc"])
+def test_a_put_past_the_quota_is_resource_exhausted_with_a_retry_hint_and_others_serve(
+    daemon_factory: DaemonFactory, tmp_path: Path, path: str
+) -> None:
+    d = quota_daemon(daemon_factory, tmp_path)
+    client = d.client(shared_memory=path == "shm")
+    mine = singles(A, PAGES + 1, seed=5)
+    assert client.put(A, mine[:PAGES]).stored == PAGES
+    held = d.store.acquire(A.digest, keys_of(mine[:PAGES]))  # a reader pins them all
+    assert held.lease_id
+    before = d.store.counters.quota_refused["tenant-a"]
+    with pytest.raises(CapacityExhausted) as refused:
+        client.put(A, mine[PAGES:])
+    assert refused.value.retry_after_s == pytest.approx(d.store.tiers.retry_after_s)
+    assert "quota" in str(refused.value)
+    assert d.store.counters.quota_refused["tenant-a"] == before + 1
+    d.check()
+    assert d.store.stats().active_leases == 1  # the reader's only: nothing of the put leaked
+    # tenant-b keeps serving, and tenant-a's pages are intact
+    assert client.put(B, singles(B, 4, seed=6)).stored == 4
+    assert client.lookup(A, keys_of(mine[:PAGES])).hit_count == PAGES
+    # once the reader is done, tenant-a's put makes its room and goes through
+    assert d.store.release(held.lease_id)
+    assert client.put(A, mine[PAGES:]).stored == 1
+    d.check()
+
+
+def test_the_retry_hint_travels_in_trailing_metadata(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    d = quota_daemon(daemon_factory, tmp_path)
+    client = d.client(shared_memory=False)
+    mine = singles(A, PAGES + 1, seed=7)
+    client.put(A, mine[:PAGES])
+    held = d.store.acquire(A.digest, keys_of(mine[:PAGES]))
+    views = [memoryview(bytes(p.payload)) for p in mine[PAGES:]]
+    stub = d.stub()
+    requests = put_requests(
+        A, mine[PAGES:], views, io_class=IoClass.NORMAL, tier=None, chunk_bytes=1 << 20
+    )
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Put(requests, timeout=10)
+    err = raised.value
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    trailing = dict(err.trailing_metadata() or ())
+    assert float(trailing["x-strata-retry-after"]) == pytest.approx(d.store.tiers.retry_after_s)
+    d.store.release(held.lease_id)
+    d.check()
+
+
+def test_an_ssd_quota_keeps_a_namespace_to_its_share_of_the_ssd(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    d = quota_daemon(daemon_factory, tmp_path, extra=f'ssd = "{4 * PAGE_BYTES}"\n')
+    client = d.client(shared_memory=True)
+    theirs = singles(B, 6, seed=9)
+    client.put(B, theirs, tier=Tier.SSD)
+    mine = singles(A, 2 * PAGES + 4, seed=8)
+    put_each(client, A, mine)  # each DRAM overflow goes to SSD, where the quota holds
+    d.store.drain()
+    assert ssd_bytes(d, A) <= 4 * PAGE_BYTES
+    assert dram_bytes(d, A) == PAGES * PAGE_BYTES
+    assert all(Tier.SSD in d.tier_of(p.header.key) for p in theirs)  # not evicted for tenant-a
+    d.check()
+
+
+def test_pages_of_a_namespace_over_its_share_leave_a_full_tier_first(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    d = quota_daemon(daemon_factory, tmp_path)  # DRAM: 2 MiB = 128 pages
+    client = d.client(shared_memory=True)
+    mine = singles(A, 2 * PAGES, seed=10)
+    put_each(client, A, mine)  # the first PAGES went to SSD
+    into = [bytearray(PAGE_BYTES) for _ in range(PAGES)]
+    read = client.get(
+        A, keys_of(mine[:PAGES]), into, tokens=[p.header.tokens for p in mine[:PAGES]]
+    )
+    assert read.hit_count == PAGES  # read back into DRAM: tenant-a holds twice its share now
+    assert dram_bytes(d, A) == 2 * PAGES * PAGE_BYTES
+    # tenant-b fills DRAM: tenant-a's pages over its share leave first, tenant-b's first pages stay
+    theirs = singles(B, 128 - PAGES, seed=11)
+    for start in range(0, len(theirs), 16):
+        client.put(B, theirs[start : start + 16])
+    assert dram_bytes(d, A) <= PAGES * PAGE_BYTES
+    assert all(Tier.DRAM in d.tier_of(p.header.key) for p in theirs[:16])
+    d.check()
+
+
+def test_namespace_usage_and_refusals_are_on_metrics(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    d = quota_daemon(daemon_factory, tmp_path)
+    client = d.client(shared_memory=True)
+    mine = singles(A, PAGES + 1, seed=12)
+    client.put(A, mine[:PAGES])
+    client.put(B, singles(B, 3, seed=13))
+    held = d.store.acquire(A.digest, keys_of(mine[:PAGES]))
+    with pytest.raises(CapacityExhausted):
+        client.put(A, mine[PAGES:])
+    d.store.release(held.lease_id)
+    m = scrape(d.info.metrics_url)
+    used = metric(m, "strata_namespace_bytes", namespace="tenant-a", tier="dram")
+    assert used == PAGES * PAGE_BYTES
+    assert metric(m, "strata_namespace_bytes", namespace="tenant-b", tier="dram") == 3 * PAGE_BYTES
+    limit = metric(m, "strata_namespace_quota_bytes", namespace="tenant-a", tier="dram")
+    assert limit == PAGES * PAGE_BYTES
+    assert metric(m, "strata_quota_refused_total", namespace="tenant-a") == 1
+
+
+def test_quota_tables_parse_and_bad_ones_are_clear_errors(tmp_path: Path) -> None:
+    good = quota_file(
+        tmp_path,
+        '[[quota]]\nnamespace = "a"\ndram = "1GiB"\nssd = "4GiB"\n'
+        '[[quota]]\ndefault = true\ndram = "256MiB"\n',
+    )
+    config = load_config(good, env={})
+    assert config.quota == (
+        NamespaceQuota("a", 1 << 30, 4 << 30),
+        NamespaceQuota("", 256 << 20, 0, default=True),
+    )
+    quotas = Quotas(config.quota)
+    assert quotas.limit("a", Tier.DRAM) == 1 << 30 and quotas.limit("a", Tier.SSD) == 4 << 30
+    assert quotas.limit("other", Tier.DRAM) == 256 << 20  # the default
+    assert quotas.limit("other", Tier.SSD) == 0  # no limit
+    assert not Quotas().enabled
+    for body, why in (
+        ('[[quota]]\nnamespace = "a"\ndram = "lots"\n', "not a size"),
+        ('[[quota]]\nnamespace = "a"\nram = "1GiB"\n', "unknown key"),
+        ('[[quota]]\ndram = "1GiB"\n', "exactly one of"),
+        ('[[quota]]\nnamespace = "a"\n[[quota]]\nnamespace = "a"\n', "two"),
+        ("[[quota]]\ndefault = true\n[[quota]]\ndefault = true\n", "more than one"),
+        ('quota = "a"\n', "array of tables"),
+    ):
+        with pytest.raises(InvalidArgument, match=why):
+            load_config(quota_file(tmp_path, body), env={})
+    with pytest.raises(InvalidArgument, match="must be a string"):
+        parse_quotas([{"namespace": 3}])
