@@ -233,7 +233,7 @@ class MembershipCollector:
 
 class AuthCollector:
     """`strata_auth_denied_total{reason}`: calls refused by the principal checks (kvstore/auth.py;
-    reason: unauthenticated, read, write, delete, operator, lease, scope_mismatch)."""
+    reason: unauthenticated, read, write, delete, lease, scope_mismatch, local_untrusted)."""
 
     def __init__(self, denied: Callable[[], dict[str, int]]) -> None:
         self._denied = denied
