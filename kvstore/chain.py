@@ -24,10 +24,10 @@ By induction every accepted key hashes a chain that starts at its scope's digest
 being collision resistant) a client holding namespace B cannot publish, under B, the key of the
 next page of a namespace-A prompt (which would shadow A's own put with ALREADY_PRESENT).
 
-The memory holds `capacity` keys, least recently remembered first out (about 200 bytes a key in
-CPython: the default 65536 keys take about 13 MiB). A page whose parent was forgotten is refused
-like any other; its writer re-publishes from an earlier page still known (the engine publishes a
-prompt's pages in order, so this happens only after 65536 other keys left or were put since).
+The memory holds `capacity` keys, least recently remembered first out (about 140 bytes a key in
+CPython, by tracemalloc: the default 65536 keys take about 9 MiB). A page whose parent was
+forgotten (65536 other keys left or were verified since) verifies only with a chain prefix: the
+engine's publisher always sends one (the prompt's tokens before its first page).
 
 Pure; no I/O. Not thread-safe: the store calls it under its lock.
 """

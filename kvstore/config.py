@@ -148,7 +148,7 @@ class LimitsConfig:
     max_reserved_bytes_per_client: int = 0
     max_reserve_lease_ms: int = 60_000
     # Keys verified on put that the daemon remembers after they leave the index, so the child
-    # of an evicted page still verifies (kvstore/chain.py; about 200 bytes a key).
+    # of an evicted page still verifies (kvstore/chain.py; about 140 bytes a key).
     chain_memory_keys: int = 65536
 
 
