@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.router.core.errors import ErrorKind, RouterError
@@ -28,11 +29,8 @@ from engine.router.core.router import headers as placement_headers
 from engine.router.dispatch import Run
 from engine.router.http_errors import HttpError, error_body, error_response
 from engine.router.protocol import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
@@ -40,8 +38,8 @@ from engine.router.protocol import (
     ModelCard,
     ModelList,
 )
-from engine.router.service import RouterService
-from engine.router.streaming import collect, sse_events, usage_of
+from engine.router.service import SLO_HEADER, RouterService
+from engine.router.streaming import EventStream, collect, completion_body, sse_events
 from engine.router.tenancy import Grant
 
 ERRORS: dict[int | str, dict[str, object]] = {
@@ -81,6 +79,61 @@ async def debug_caller(request: Request, grant: Annotated[Grant, Depends(caller)
     service: RouterService = request.app.state.service
     service.tenancy.check_debug(grant)
     return grant
+
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+_REQUESTS = (CompletionRequest, ChatCompletionRequest)
+
+
+def _parse(model: type[Body], raw: bytes) -> Body:
+    """The request body as `model`; RequestValidationError (400 through the app's handler, as
+    for FastAPI's own validation) for malformed JSON or a bad field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _body_openapi(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body (`model`, in the components) and the SLO class header of a
+    route that parses its body itself."""
+    return {
+        "parameters": [
+            {
+                "name": SLO_HEADER,
+                "in": "header",
+                "required": False,
+                "schema": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "description": "the request's SLO class (else the body's slo_class, else the "
+                "default class)",
+            }
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            },
+        },
+    }
+
+
+def _with_request_schemas(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """`app.openapi` with the request models (and the models they use) in the components."""
+    make = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = make()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in _REQUESTS:
+                own = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in own.pop("$defs", {}).items():
+                    components.setdefault(name, sub)
+                components[model.__name__] = own
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = None) -> FastAPI:
@@ -146,52 +199,44 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
                 include_usage=include,
                 token_ids=body.return_token_ids,
             )
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return EventStream(events, headers)
         got = await collect(run)
-        finish = got.finish_reason or None
-        token_ids = got.token_ids if body.return_token_ids else None
-        response: CompletionResponse | ChatCompletionResponse
-        if chat:
-            response = ChatCompletionResponse(
-                id=prepared.response_id,
-                created=prepared.created,
-                model=model,
-                choices=[
-                    ChatChoice(
-                        message=AssistantMessage(content=got.text),
-                        finish_reason=finish,
-                        token_ids=token_ids,
-                    )
-                ],
-                usage=usage_of(run),
-            )
-        else:
-            response = CompletionResponse(
-                id=prepared.response_id,
-                created=prepared.created,
-                model=model,
-                choices=[
-                    CompletionChoice(text=got.text, finish_reason=finish, token_ids=token_ids)
-                ],
-                usage=usage_of(run),
-            )
-        return JSONResponse(response.model_dump(), headers=headers)
+        content = completion_body(
+            run,
+            got,
+            chat=chat,
+            response_id=prepared.response_id,
+            created=prepared.created,
+            model=model,
+            token_ids=body.return_token_ids,
+        )
+        return Response(content, media_type="application/json", headers=headers)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
-    async def completions(
-        body: CompletionRequest,
-        grant: Annotated[Grant, Depends(caller)],
-        x_strata_slo_class: Annotated[str | None, Header()] = None,
-    ) -> Response:
-        return await serve(body, x_strata_slo_class, grant)
+    # The two completion routes read their body themselves (pydantic's own JSON parser, no
+    # dependency solving): FastAPI's body and header parameters cost more per request than the
+    # rest of the route. Their OpenAPI entries are written out (`_body_openapi`), the same as
+    # FastAPI would have made them.
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=ERRORS,
+        openapi_extra=_body_openapi(CompletionRequest),
+    )
+    async def completions(request: Request) -> Response:
+        body = _parse(CompletionRequest, await request.body())
+        grant = await caller(request)
+        return await serve(body, request.headers.get(SLO_HEADER), grant)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
-    async def chat_completions(
-        body: ChatCompletionRequest,
-        grant: Annotated[Grant, Depends(caller)],
-        x_strata_slo_class: Annotated[str | None, Header()] = None,
-    ) -> Response:
-        return await serve(body, x_strata_slo_class, grant)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=ERRORS,
+        openapi_extra=_body_openapi(ChatCompletionRequest),
+    )
+    async def chat_completions(request: Request) -> Response:
+        body = _parse(ChatCompletionRequest, await request.body())
+        grant = await caller(request)
+        return await serve(body, request.headers.get(SLO_HEADER), grant)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(caller)])
     async def models() -> ModelList:
@@ -249,4 +294,5 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
             )
         return JSONResponse({"workers": items})
 
+    app.openapi = _with_request_schemas(app)  # type: ignore[method-assign]
     return app

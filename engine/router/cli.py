@@ -7,7 +7,8 @@ strata router ... --api-keys KEYS.toml        (enforce API keys: engine.router.t
 
 The first line on stdout names the base URL ("strata router serving on http://HOST:PORT/v1";
 --port 0 picks a free port). The HTTP server is FastAPI on uvicorn (as vLLM and SGLang serve
-theirs). It listens on loopback unless --host says otherwise. Without --api-keys it is open (any
+theirs), on uvloop with the httptools parser when they are installed (the router extra installs
+them). It listens on loopback unless --host says otherwise. Without --api-keys it is open (any
 caller, one namespace) and says so; it refuses to listen open on a non-loopback address unless
 --allow-open is given (docs/security.md).
 SIGTERM or Ctrl-C stops it (streams in flight are cancelled on their workers).
@@ -143,7 +144,10 @@ def serve(
         for sig in (signal.SIGTERM, signal.SIGINT)
     }
     try:
-        asyncio.run(server.serve(sockets=[listener]))
+        # uvicorn's event loop: uvloop when installed (the router extra installs it), as
+        # `uvicorn.run` would choose; the HTTP parser is httptools then (http="auto").
+        with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+            runner.run(server.serve(sockets=[listener]))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

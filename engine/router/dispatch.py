@@ -329,7 +329,7 @@ class Dispatcher:
         prefill attempt failed."""
         started = self.clock()
         model = job.model
-        hit = await asyncio.to_thread(self.lookup.lookup, job.scope, job.prompt_ids)
+        hit = await self.lookup.find(job.scope, job.prompt_ids)
         view = RequestView(
             request_id=job.request_id,
             prompt_tokens=len(job.prompt_ids),
@@ -349,21 +349,24 @@ class Dispatcher:
                 w for w in self.registry.views(model.model_id, now) if w.worker_id not in excluded
             )
             decision = self.core.decide(view, workers, now, self.rng)
-            decided = self.clock()
-            self._explain(job, hit, decision)
-            if self.metrics is not None:
-                self.metrics.observe_decision(decision, job.slo_class, decide_s=decided - now)
+            decide_s = self.clock() - now
             if isinstance(decision, Refusal):
+                self._record(job, hit, decision, decide_s)
                 raise self._refused(decision, last_error)
             placement = decision
             run = Run(job, placement, self, started, placement.prefill_id, placement.decode_id)
             run.view = view
             if placement.colocated:
+                self._record(job, hit, decision, decide_s)
                 self.in_flight[job.request_id] = run
                 return run
             sent = self.clock()
             try:
-                reply = await self._prefill(placement.prefill_id, job, placement.predicted_ttft_s)
+                call = self._prefill(placement.prefill_id, job, placement.predicted_ttft_s)
+                # the explanation and the metrics of the decision are written while the
+                # prefill is on its way (the call's task was scheduled first)
+                asyncio.get_running_loop().call_soon(self._record, job, hit, decision, decide_s)
+                reply = await call
             except grpc.aio.AioRpcError as exc:
                 self.core.on_failed(job.request_id, self.clock())
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -380,18 +383,12 @@ class Dispatcher:
                     self.metrics.observe_retry("prefill", exc.code().name.lower())
                 log.info("request %s: %s; trying another worker", job.request_id, last_error)
                 continue
-            if self.metrics is not None:
-                done = self.clock()
-                self.metrics.observe_prefill(
-                    placement.prefill_id,
-                    done - sent,
-                    reply,
-                    now=done,
-                    expected_hit_tokens=hit.hit_pages * model.page_tokens,
-                    bytes_per_token=model.page_bytes // max(1, model.page_tokens),
-                )
+            # metrics and calibration after the first token is on its way (next loop turn)
+            done = self.clock()
+            asyncio.get_running_loop().call_soon(
+                self._observe_prefill, placement.prefill_id, job, hit, reply, done - sent, done
+            )
             hit_tokens = reply.hit_tokens
-            self._calibrate(reply)
             run.queue_s = reply.timings.queue_s
             t = reply.timings
             run.split.update(
@@ -411,6 +408,36 @@ class Dispatcher:
             f"no prefill worker could serve the request ({last_error})",
             retry_after_s=self.retry_after_s,
         )
+
+    def _record(
+        self, job: Job, hit: PrefixHit, decision: Placement | Refusal, decide_s: float
+    ) -> None:
+        """A decision's explanation (/debug/decisions) and metrics."""
+        self._explain(job, hit, decision)
+        if self.metrics is not None:
+            self.metrics.observe_decision(decision, job.slo_class, decide_s=decide_s)
+
+    def _observe_prefill(
+        self,
+        worker: str,
+        job: Job,
+        hit: PrefixHit,
+        reply: pb.PrefillResponse,
+        took_s: float,
+        done: float,
+    ) -> None:
+        """A prefill's metrics, and its timings to the live calibration."""
+        model = job.model
+        if self.metrics is not None:
+            self.metrics.observe_prefill(
+                worker,
+                took_s,
+                reply,
+                now=done,
+                expected_hit_tokens=hit.hit_pages * model.page_tokens,
+                bytes_per_token=model.page_bytes // max(1, model.page_tokens),
+            )
+        self._calibrate(reply)
 
     def _calibrate(self, reply: pb.PrefillResponse) -> None:
         """The worker's own forward time (compute + sample) for its computed tokens after the
@@ -441,23 +468,21 @@ class Dispatcher:
         bound = max(self.min_stall_s, self.stall_factor * max(predicted_s, 0.0))
         return min(bound, self.prefill_timeout_s) if first else bound
 
-    async def _prefill(
-        self, address: str, job: Job, predicted_ttft_s: float = 0.0
-    ) -> pb.PrefillResponse:
+    def _prefill(self, address: str, job: Job, predicted_ttft_s: float = 0.0) -> Any:
+        """The Prefill call on `address`, started (a grpc.aio call: await it for the reply)."""
         handle = self.registry.workers.get(address)
         if handle is None:
-            raise _gone(address)
+            return _raise(_gone(address))
         request = pb.PrefillRequest(
             request_id=job.request_id,
             token_ids=list(job.prompt_ids),
             sampling=job.sampling,
             namespace=job.namespace,
         )
-        reply: pb.PrefillResponse = await handle.prefill_stub().Prefill(
+        return handle.prefill_stub().Prefill(
             request,
             timeout=min(self.prefill_timeout_s, self.stall_timeout_s(predicted_ttft_s, True)),
         )
-        return reply
 
     def pick_resume(self, run: Run, tried: set[str]) -> str | None:
         """Another worker to continue `run` on, not tried yet: the core's decode-only placement
@@ -590,6 +615,10 @@ class Dispatcher:
             ),
             now=now,
         )
+
+
+async def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def _gone(address: str) -> grpc.aio.AioRpcError:

@@ -3,12 +3,19 @@
 The router computes the page keys of a prompt under the workers' scope (`client.page_keys`) and
 asks the same store the workers use (one daemon, or the cluster) which leading pages exist, in
 which tier, and on which host (a cluster page's first replica by rendezvous hashing). A store that is down or slow is a miss, never an error (DESIGN §1): placement
-then prices every worker as computing the whole prompt. Calls are blocking; the router runs them
-on a thread (`asyncio.to_thread`).
+then prices every worker as computing the whole prompt.
+
+`find` is what the router awaits. A lookup in one daemon is one short blocking RPC (about 0.1 ms
+on loopback, less than the two thread switches `asyncio.to_thread` adds), so it runs inline on
+the event loop, except where that could stall the loop: the first call (it connects), a
+cluster's lookups (several daemons, membership), and for `degraded_s` after a lookup that failed
+or after `slow_calls` lookups in a row that took longer than `inline_budget_s` each (a store that
+is down or slow; one late call is the machine's scheduling, not the store), which go to a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -26,7 +33,14 @@ class StoreLookup:
     principal of `token` (None: $STRATA_STORE_TOKEN; it needs read of the workers' namespaces)."""
 
     def __init__(
-        self, spec: StoreSpec | None, *, timeout_s: float = 0.5, token: str | None = None
+        self,
+        spec: StoreSpec | None,
+        *,
+        timeout_s: float = 0.5,
+        token: str | None = None,
+        inline_budget_s: float = 0.005,
+        slow_calls: int = 3,
+        degraded_s: float = 10.0,
     ) -> None:
         self.spec = spec
         self._client: StoreClient | ClusterClient | None = (
@@ -35,7 +49,41 @@ class StoreLookup:
         self._node_host = ""  # the single daemon's host id, once known
         self._lock = threading.Lock()
         self._quiet_until = 0.0
+        self.inline_budget_s = inline_budget_s
+        self.slow_calls = slow_calls
+        self.degraded_s = degraded_s
+        self._threaded_until = 0.0  # lookups go to a thread until then (monotonic)
+        self._slow = 0  # inline lookups in a row over the budget
         self.errors = 0
+        self.inline = 0  # lookups that ran on the event loop
+        self.threaded = 0  # lookups that ran on a thread
+
+    async def find(self, scope: Scope, token_ids: Sequence[int]) -> PrefixHit:
+        """`lookup` for a coroutine: inline where that is safe (see the module doc), else on a
+        thread. Read-only; a store failure is a miss, never an error."""
+        client = self._client
+        if client is None:
+            return PrefixHit.none()
+        start = time.monotonic()
+        if isinstance(client, ClusterClient) or not self._node_host or start < self._threaded_until:
+            self.threaded += 1
+            return await asyncio.to_thread(self.lookup, scope, token_ids)
+        self.inline += 1
+        errors = self.errors
+        hit = self.lookup(scope, token_ids)
+        took = time.monotonic() - start
+        failed = self.errors != errors
+        self._slow = self._slow + 1 if took > self.inline_budget_s else 0
+        if failed or self._slow >= self.slow_calls:
+            self._slow = 0
+            self._threaded_until = start + took + self.degraded_s
+            log.info(
+                "store lookup %s (%.1f ms): lookups run on a thread for the next %.0f s",
+                "failed" if failed else "was slow",
+                took * 1e3,
+                self.degraded_s,
+            )
+        return hit
 
     def page_keys(self, scope: Scope, token_ids: Sequence[int]) -> list[bytes]:
         return page_keys(scope, token_ids)

@@ -113,6 +113,12 @@ class ChatCompletionRequest(_Sampling):
 
 # ---- responses ----------------------------------------------------------------------------
 
+TIMINGS = (
+    "Strata: where the request's time went, in ms, as the workers report it (prefill queue, "
+    "lookup, KV pull, compute, sampling, publish wait; decode queue and KV pull). The last "
+    "chunk of a streamed answer carries the same object."
+)
+
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
@@ -140,6 +146,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    strata_timings: dict[str, float] | None = Field(default=None, description=TIMINGS)
 
 
 class AssistantMessage(BaseModel):
@@ -162,6 +169,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    strata_timings: dict[str, float] | None = Field(default=None, description=TIMINGS)
 
 
 class ModelCard(BaseModel):

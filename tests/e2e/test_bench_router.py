@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from loadtests.bench_router import Dist, main
+from loadtests.router_latency import PATHS, Interval
 from loadtests.workload import generate_requests, load_workload
 
 pytestmark = pytest.mark.e2e
@@ -24,6 +25,17 @@ def test_dist_nearest_rank_and_empty() -> None:
     d = Dist.of([0.001 * i for i in range(1, 101)])
     assert (d.count, d.p50_ms, d.p90_ms, d.p99_ms) == (100, pytest.approx(50.5), 90.0, 99.0)
     assert math.isnan(Dist.of([]).p50_ms)
+
+
+def test_interval_is_the_median_with_a_seeded_bootstrap_around_it() -> None:
+    values = [float(v) for v in range(1, 102)]  # median 51
+    a = Interval.of(values, seed=3)
+    assert (a.median, a.samples) == (51.0, 101)
+    assert 40 < a.low < 51 < a.high < 62  # the median's spread, far inside the data's
+    assert Interval.of(values, seed=3) == a  # seeded: the same interval every time
+    tight = Interval.of([5.0] * 50 + [5.5] * 51)
+    assert 5.0 <= tight.low <= tight.median == 5.5 <= tight.high <= 5.5
+    assert math.isnan(Interval.of([]).median) and Interval.of([]).samples == 0
 
 
 def test_bench_router_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -52,16 +64,26 @@ def test_bench_router_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert dec["workers"] == 16 and dec["policy_alone_per_s"] > 0 and dec["core_decide_per_s"] > 0
     assert dec["policy_alone_candidates"] >= 8  # the winner and the pairs it beat
     added = data["added_latency"]
-    assert added["reps"] == 3
-    for part in ("non_streamed", "streamed_ttft"):
-        assert added[part]["router"]["count"] == added[part]["direct"]["count"] == 3
-        assert added[part]["router"]["p50_ms"] > 0 and added[part]["direct"]["p50_ms"] > 0
+    assert (added["reps"], added["output_tokens"]) == (3, 2)
+    assert added["prompt_tokens"] >= 256  # the text prompt, as the router tokenized it
+    assert set(added["paths"]) == set(PATHS)
+    for path in added["paths"].values():
+        assert path["full_p50_ms"] > path["ttft_p50_ms"] > 0 and path["leaves_out"]
+    for samples in added["samples_ms"].values():
+        assert len(samples) == 3 and min(samples) > 0
+    for client in ("router_httpx", "router_raw"):
+        for part in ("non_streamed_ms", "streamed_ttft_ms", "streamed_ttft_ratio"):
+            got = added["added"][client][part]
+            assert got["samples"] == 3 and got["low"] <= got["median"] <= got["high"]
+        assert added["added"][client]["streamed_ttft_ratio"]["median"] > 0
+    cpu = added["router_cpu_ms_per_request"]
+    assert cpu is None or -50 < cpu < 1000  # tick-resolution noise over 3 rounds, not a hang
     assert data["profile"]["source"].startswith("measured")
     assert data["profile"]["prefill"]["per_token_s"] >= 0
     assert data["prediction"]["samples"] == sent
     assert data["prediction"]["router_tracker_median"] is not None
     assert set(data["targets"]) == {
-        "added_p50_ms_non_streamed", "ttft_ratio_streamed", "decisions_per_s",
-        "prediction_median_abs",
+        "added_p50_ms_non_streamed", "ttft_ratio_streamed", "added_p50_ms_non_streamed_raw",
+        "ttft_ratio_streamed_raw", "decisions_per_s", "prediction_median_abs",
     }  # fmt: skip
     assert all(isinstance(t["met"], bool) for t in data["targets"].values())

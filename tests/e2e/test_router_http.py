@@ -2,7 +2,8 @@
 `strata router` on loopback (tiny preset). Non-streamed and streamed completions and chats with
 the `openai` client and raw httpx give the tokens of a plain single-process greedy run; usage
 counts prompt, completion and cached tokens; every error status comes with an OpenAI-style body;
-a client that goes away mid-stream frees the decode worker's pages."""
+a client that goes away mid-stream frees the decode worker's pages; a non-streamed answer carries
+the same latency split (`strata_timings`) as a streamed one's last chunk."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from engine.checkpoint import load_checkpoint
 from engine.model import DecoderModel
 from engine.reference import greedy_generate
 from engine.router.chat import ModelText
+from engine.router.streaming import ChunkFormat
 from loadtests.daemon import DaemonProcess
 
 pytestmark = pytest.mark.e2e
@@ -154,6 +156,81 @@ def test_text_prompt_and_stream_over_raw_http(stack: Stack) -> None:
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == []
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(ids), 10)
+
+
+# the latency split as `Run.timings` names it: the prefill worker's parts and the decode worker's
+SPLIT = {
+    "prefill_queue_ms", "lookup_ms", "prefill_pull_ms", "prefill_compute_ms", "sample_ms",
+    "publish_wait_ms", "decode_queue_ms", "decode_pull_ms",
+}  # fmt: skip
+
+
+def _check_split(timings: object) -> dict[str, float]:
+    assert isinstance(timings, dict) and set(timings) == SPLIT, timings
+    assert all(isinstance(v, float | int) and v >= 0 for v in timings.values()), timings
+    assert timings["prefill_compute_ms"] > 0  # the prefill worker did compute the prompt
+    return timings
+
+
+def test_latency_split_in_a_whole_answer_as_in_a_streams_last_chunk(stack: Stack) -> None:
+    prompt = prompt_ids(stack, 40, seed=4)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+    whole = stack.http.post("/v1/completions", json=body)
+    assert whole.status_code == 200 and whole.headers["content-type"] == "application/json"
+    got = whole.json()
+    assert got["object"] == "text_completion" and got["id"].startswith("cmpl-")
+    assert got["choices"][0]["finish_reason"] == "length"
+    assert got["choices"][0]["text"] == stack.text.decode(stack.reference(prompt, 4))
+    assert got["usage"]["completion_tokens"] == 4
+    _check_split(got["strata_timings"])
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "pages"}],
+        "max_tokens": 3,
+        "ignore_eos": True,
+    }
+    reply = stack.http.post("/v1/chat/completions", json=chat).json()
+    assert reply["object"] == "chat.completion"
+    assert reply["choices"][0]["message"]["role"] == "assistant"
+    _check_split(reply["strata_timings"])
+    with stack.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert [("strata_timings" in c) for c in chunks] == [False] * 4 + [True]
+    _check_split(chunks[-1]["strata_timings"])
+
+
+def test_chunk_format_encodes_what_a_chunk_dict_would() -> None:
+    """The pre-encoded chunks are the JSON of the OpenAI chunk objects, escapes included."""
+    for chat in (False, True):
+        for usage in (False, True):
+            fmt = ChunkFormat.of(
+                chat=chat, response_id='id-"1"', created=7, model="m\\x", include_usage=usage
+            )
+            for text, token_id, first in (('a "q"\n', 5, True), ("é\u2028", None, False)):
+                raw = fmt.token(text, token_id, first=first)
+                assert raw.startswith(b"data: {") and raw.endswith(b"}\n\n")
+                choice: dict[str, object] = {"index": 0}
+                if chat:
+                    choice["delta"] = {"content": text, **({"role": "assistant"} if first else {})}
+                else:
+                    choice["text"] = text
+                choice.update(finish_reason=None, logprobs=None)
+                if token_id is not None:
+                    choice["token_ids"] = [token_id]
+                want = {
+                    "id": 'id-"1"',
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": 7,
+                    "model": "m\\x",
+                    "choices": [choice],
+                    **({"usage": None} if usage else {}),
+                }
+                assert json.loads(raw[6:]) == want
+            last = json.loads(
+                fmt.finish("stop", first=False, token_ids=True, timings={"a_ms": 1.5})[6:]
+            )
+            assert last["choices"][0]["finish_reason"] == "stop"
+            assert last["choices"][0]["token_ids"] == [] and last["strata_timings"] == {"a_ms": 1.5}
 
 
 def test_chat_streamed_and_not_with_the_openai_client(stack: Stack) -> None:
