@@ -424,6 +424,13 @@ class Store:
         ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
         namespace = scope.namespace
         quota = self.tiers.quotas.limit(namespace, _DRAM)
+        if quota and scope.page_payload_bytes * len(plan.new) > quota:  # room would not help
+            with self.counters.lock:
+                self.counters.quota_refused[namespace] += 1
+            raise CapacityExhausted(
+                f"a put of {len(plan.new)} pages ({scope.page_payload_bytes * len(plan.new)} "
+                f"bytes) exceeds namespace {namespace!r}'s DRAM quota of {quota}: put less at once"
+            )
         for _ in range(_ROOM_ROUNDS if quota else 0):  # the namespace's own pages make room
             with self._lock:
                 count = sum(1 for i in plan.new if self._writable(plan.headers[i].key))

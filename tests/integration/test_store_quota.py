@@ -110,6 +110,10 @@ def test_a_put_past_the_quota_is_resource_exhausted_with_a_retry_hint_and_others
     assert d.store.counters.quota_refused["tenant-a"] == before + 1
     d.check()
     assert d.store.stats().active_leases == 1  # the reader's only: nothing of the put leaked
+    # a put bigger than the whole quota is refused at once, moving nothing out of DRAM (a
+    # gRPC stream reserves page by page: refused at its first page, tenant-a being full)
+    with pytest.raises(CapacityExhausted, match="put less at once" if path == "shm" else "quota"):
+        client.put(A, singles(A, PAGES + 1, seed=50))
     # tenant-b keeps serving, and tenant-a's pages are intact
     assert client.put(B, singles(B, 4, seed=6)).stored == 4
     assert client.lookup(A, keys_of(mine[:PAGES])).hit_count == PAGES
