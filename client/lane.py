@@ -6,12 +6,15 @@ retry hint, so retries and error mapping are shared with the gRPC path. Streamin
 Get, Watch) are forwarded to a real gRPC stub. Connections are pooled, so concurrent callers
 (threads or greenlets) never wait on each other's round trips. Each new connection first sends
 HELLO with the client's token (client/lane_protocol.py); a daemon that does not trust this
-client with the same-host path refuses it (`LaneError.refused`).
+client with the same-host path refuses it (`LaneError.refused`); one that trusts a client of
+another user (`auth.local_uids`) hands it the segment's descriptor with the answer
+(`Lane.take_segment_fds`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 
@@ -34,6 +37,7 @@ from kvstore_pb.store_pb2_grpc import StoreStub
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 _MAX_IDLE = 8
+_MAX_FDS = 4  # segment descriptors a HELLO answer may carry
 
 
 class LaneError(grpc.RpcError):
@@ -127,6 +131,7 @@ class Lane:
             raise ValueError(f"not a lane address: {address!r}")
         self.path = address[len(SCHEME) :]
         self._hello = (token or "").encode()
+        self._segment_fds: list[int] = []  # handed over with a HELLO answer, not yet taken
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -150,8 +155,41 @@ class Lane:
         except OSError as exc:
             sock.close()
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}") from None
-        self.finish(sock, pool=False)  # the HELLO's answer: LaneError when refused
+        self._hello_answer(sock)
         return sock
+
+    def _hello_answer(self, sock: socket.socket) -> None:
+        """Read the HELLO's answer (keeping a segment descriptor that comes with it); LaneError
+        when the daemon refuses this client."""
+        try:
+            head, fds, _, _ = socket.recv_fds(sock, RESPONSE.size, _MAX_FDS)
+            if len(head) < RESPONSE.size:
+                head += bytes(recv_exact(sock, RESPONSE.size - len(head)))
+        except TimeoutError:
+            sock.close()
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane HELLO timed out") from None
+        except (LaneClosed, OSError) as exc:
+            sock.close()
+            raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane HELLO: {exc}") from None
+        with self._lock:
+            keep = not self._segment_fds and not self._closed
+            if keep:
+                self._segment_fds = list(fds)
+        if not keep:
+            for fd in fds:
+                os.close(fd)
+        length, status, _ = RESPONSE.unpack(head)
+        body = bytes(recv_exact(sock, length)) if length else b""
+        if status != STATUS_OK:
+            sock.close()
+            code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
+            raise LaneError(code, body.decode(errors="replace"))
+
+    def take_segment_fds(self) -> list[int]:
+        """The segment descriptors the daemon handed over (the caller now owns them), else []."""
+        with self._lock:
+            fds, self._segment_fds = self._segment_fds, []
+        return fds
 
     def _give_back(self, sock: socket.socket) -> None:
         with self._lock:
@@ -183,9 +221,9 @@ class Lane:
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane: {exc}") from None
         return sock
 
-    def finish(self, sock: socket.socket, *, pool: bool = True) -> bytes:
-        """The reply to the request just sent on `sock` (which then goes back to the pool, with
-        `pool`). Raises LaneError (an error status closes `sock` when it is not pooled)."""
+    def finish(self, sock: socket.socket) -> bytes:
+        """The reply to the request just sent on `sock` (which goes back to the pool). Raises
+        LaneError."""
         try:
             length, status, retry_ms = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
             body = bytes(recv_exact(sock, length)) if length else b""
@@ -195,10 +233,7 @@ class Lane:
         except (LaneClosed, OSError) as exc:
             sock.close()
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane: {exc}") from None
-        if pool:
-            self._give_back(sock)
-        elif status != STATUS_OK:
-            sock.close()
+        self._give_back(sock)
         if status != STATUS_OK:
             code = _STATUS_BY_NUMBER.get(status, grpc.StatusCode.UNKNOWN)
             raise LaneError(code, body.decode(errors="replace"), retry_ms)
@@ -208,6 +243,10 @@ class Lane:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            fds, self._segment_fds = self._segment_fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         for sock in idle:
             with contextlib.suppress(OSError):
                 sock.close()

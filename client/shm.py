@@ -123,18 +123,22 @@ def segment_path(name: str) -> str:
     return os.path.join(SHM_DIR, bare)
 
 
-def open_segment(segment: Segment) -> SegmentMap:
-    """Map `segment`; raises Unavailable saying why it cannot be (missing, wrong size, denied)."""
+def open_segment(segment: Segment, fd: int | None = None) -> SegmentMap:
+    """Map `segment` (opened by name, or the descriptor `fd` the daemon handed over, which this
+    takes and closes); raises Unavailable saying why it cannot be (missing, wrong size, denied)."""
     try:
         path = segment_path(segment.name)
-    except InvalidArgument as exc:
+        if segment.size_bytes <= 0:
+            raise Unavailable(f"segment {segment.name} announces {segment.size_bytes} bytes")
+    except (InvalidArgument, Unavailable) as exc:
+        if fd is not None:
+            os.close(fd)
         raise Unavailable(str(exc)) from None
-    if segment.size_bytes <= 0:
-        raise Unavailable(f"segment {segment.name} announces {segment.size_bytes} bytes")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise Unavailable(f"cannot open {path}: {exc.strerror}") from None
+    if fd is None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise Unavailable(f"cannot open {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -196,6 +200,27 @@ def map_node_segments(node: NodeInfo, wanted: bool | None) -> tuple[SegmentMap, 
         if wanted:
             raise Unavailable(f"shared memory was requested but cannot be used: {reason}")
         log.info("using the gRPC data path: %s", reason)
+    return tuple(maps)
+
+
+def map_handed_segments(node: NodeInfo, fds: Sequence[int]) -> tuple[SegmentMap, ...]:
+    """The maps of `node`'s segments from the descriptors its lane handed over (one per
+    segment, in order; all taken and closed here), or () when they do not fit (logged)."""
+    if len(fds) != len(node.segments) or node.host_id != host_id():
+        for fd in fds:
+            os.close(fd)
+        return ()
+    maps: list[SegmentMap] = []
+    try:
+        for segment, fd in zip(node.segments, fds, strict=True):
+            maps.append(open_segment(segment, fd))
+    except Unavailable as exc:
+        log.info("the handed-over segment does not map: %s", exc)
+        for m in maps:
+            m.close()
+        for fd in fds[len(maps) + 1 :]:
+            os.close(fd)
+        return ()
     return tuple(maps)
 
 

@@ -60,12 +60,14 @@ from client._wire import (
     with_token,
 )
 from client.errors import InvalidArgument, StrataError, Unavailable
+from client.hostid import host_id
 from client.lane import Lane, LaneCall, LaneError, LaneStub
 from client.lane_protocol import SCHEME as LANE_SCHEME
 from client.page import PageHeader
 from client.scope import KEY_BYTES, Scope
 from client.shm import (
     SegmentMap,
+    map_handed_segments,
     map_node_segments,
     read_acquired,
     segments_current,
@@ -702,11 +704,24 @@ class StoreClient:
                 self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
             )
             check_node(node)
-            maps = map_node_segments(node, self._shared_memory)
+            # a daemon of another user may hand its segment over the lane (auth.local_uids)
+            handable = (
+                self._shared_memory is not False
+                and bool(node.segments)
+                and node.local_address.startswith(LANE_SCHEME)
+                and node.host_id == host_id()
+            )
+            unmapped: Unavailable | None = None
+            try:
+                maps = map_node_segments(node, self._shared_memory)
+            except Unavailable as exc:
+                if not handable:
+                    raise
+                maps, unmapped = (), exc
         except BaseException:
             channel.close()
             raise
-        if maps and node.local_address:
+        if node.local_address and (maps or handable):
             try:
                 lane_stub = self._open_local(node, stub)
             except LaneError as refused:  # not trusted with the same-host path: remote path
@@ -722,8 +737,15 @@ class StoreClient:
                     self._lane_refused = True
                     log.warning("same-host path refused (%s); using the remote path", refused)
             else:
-                if lane_stub is not None:
+                if lane_stub is not None and not maps:
+                    maps = map_handed_segments(node, lane_stub.lane.take_segment_fds())
+                if lane_stub is not None and maps:
                     stub = cast(StoreStub, lane_stub)
+                elif lane_stub is not None:
+                    lane_stub.lane.close()
+        if unmapped is not None and not maps:
+            channel.close()
+            raise unmapped
         conn = _Connection(channel=channel, stub=stub, node=node, maps=maps)
         log.info(
             "connected to store %s (%s) at %s: %s data path",

@@ -10,7 +10,9 @@ connection is bound to that principal (the handlers read it from the context) an
 when the daemon trusts it with the same-host path: a `trusted_local` principal whose process runs
 as the daemon's user or one of `auth.local_uids` (SO_PEERCRED, as the kernel reports it, not as
 the client claims). Anyone else gets UNAUTHENTICATED or PERMISSION_DENIED and the connection is
-closed; the refusal is counted and logged once per principal.
+closed; the refusal is counted and logged once per principal. A client of one of
+`auth.local_uids` cannot open the segment file (0600, the daemon's user's), so the HELLO answer
+hands it a descriptor of the segment (SCM_RIGHTS); the daemon's own user opens it by name.
 """
 
 from __future__ import annotations
@@ -98,9 +100,11 @@ class LaneServer:
         max_frame_bytes: int,
         auth: Authenticator | None = None,
         local_uids: frozenset[int] = frozenset(),
+        segment_fd: int = -1,
     ) -> None:
         self.path = path
         self._service = service
+        self._segment_fd = segment_fd  # handed to trusted clients of another user (not owned)
         self._auth = auth if auth is not None else Authenticator(None)
         self._uids = frozenset({os.getuid(), *local_uids})
         self._max_frame = max_frame_bytes
@@ -171,7 +175,11 @@ class LaneServer:
                         payload if method == HELLO and principal is None else None, peer_uid
                     )
                     if principal is None or method == HELLO:
-                        conn.sendall(RESPONSE.pack(len(body), status, 0) + body)
+                        reply = RESPONSE.pack(len(body), status, 0) + body
+                        if principal is not None and peer_uid != os.getuid():
+                            self._send_with_segment(conn, reply)
+                        else:
+                            conn.sendall(reply)
                         if principal is None:
                             return
                         continue
@@ -201,6 +209,15 @@ class LaneServer:
             lease_id = store_pb2.ReserveResponse.FromString(body).lease_id
             if lease_id:
                 self._service.store.abort(lease_id)
+
+    def _send_with_segment(self, conn: socket.socket, reply: bytes) -> None:
+        """The HELLO answer, with the segment's descriptor when there is one."""
+        if self._segment_fd < 0:
+            conn.sendall(reply)
+            return
+        sent = socket.send_fds(conn, [reply], [self._segment_fd])
+        if sent < len(reply):
+            conn.sendall(reply[sent:])
 
     def _admit(self, hello: bytes | None, peer_uid: int) -> tuple[Principal | None, int, bytes]:
         """(principal, OK, b"") for a connection this daemon lets use the lane, else (None, the

@@ -152,6 +152,7 @@ class Daemon:
         self._ucx: BulkServer | None = None
         self.registration: Registration | None = None
         self._umask: int | None = None  # the umask before start(), restored by stop()
+        self._segment_fd = -1  # the DRAM segment, for lane clients of auth.local_uids
 
     def start(self) -> DaemonInfo:
         """Open the store, bind and start serving. Raises Unavailable (port in use, ...).
@@ -186,12 +187,15 @@ class Daemon:
                 cfg, store, local_address=f"{SCHEME}{sock_str}" if sock_str else "", tls=tls
             )
             if sock_str:
+                if cfg.auth.local_uids:  # their clients get the segment by descriptor
+                    self._segment_fd = os.open(store.tiers.dram.path, os.O_RDWR | os.O_CLOEXEC)
                 self._lane = LaneServer(
                     sock_str,
                     service,
                     cfg.limits.max_message_bytes,
                     service.auth,
                     frozenset(cfg.auth.local_uids),
+                    self._segment_fd,
                 )
                 try:
                     self._lane.start()
@@ -319,6 +323,9 @@ class Daemon:
         if self._lane is not None:
             self._lane.stop()
             self._lane = None
+        if self._segment_fd >= 0:
+            os.close(self._segment_fd)
+            self._segment_fd = -1
         if self._ucx is not None:
             self._ucx.stop()
             self._ucx = None

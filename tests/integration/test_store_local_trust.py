@@ -24,6 +24,7 @@ import grpc
 import pytest
 from conftest import DaemonFactory, RunningDaemon, assert_intact, chain, make_scope
 
+import client.store_client
 import kvstore.lane
 from client import AsyncStoreClient, StoreClient
 from client.errors import Unavailable
@@ -185,6 +186,43 @@ def test_another_user_is_refused_unless_listed(
     with pytest.raises(LaneError, match="trusted_local"):
         _node_info(untrusted)
     untrusted.close()
+
+
+def test_a_listed_user_gets_the_segment_by_descriptor(
+    daemon_factory: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = _tokens_file(tmp_path / "tokens.toml")
+    other = os.getuid() + 4242
+    daemon = daemon_factory(
+        ssd=None, settings={"auth.tokens_file": str(tokens), "auth.local_uids": str(other)}
+    )
+    # the daemon's own user: opens the segment by name, gets no descriptor
+    own = Lane(daemon.info.local_address, TOKENS["engine"])
+    _node_info(own)
+    assert own.take_segment_fds() == []
+    own.close()
+    # a client of the listed user: the kernel says `other`, and the segment file (0600) does
+    # not open for it
+    monkeypatch.setattr(kvstore.lane, "_peer_cred", lambda conn: (os.getpid(), other))
+
+    def cannot_open(node: object, wanted: bool | None) -> tuple[()]:
+        if wanted:
+            raise Unavailable("cannot open /dev/shm/...: Permission denied")
+        return ()
+
+    monkeypatch.setattr(client.store_client, "map_node_segments", cannot_open)
+    for wanted in (None, True):
+        engine = _client(daemon, "engine", shared_memory=wanted)
+        engine.connect()
+        assert engine.transport == "shm"
+        scope = make_scope("tenant-a")
+        pages = chain(scope, 3, seed=20 + int(bool(wanted)))
+        assert engine.put(scope, pages).stored == 3  # copied through the handed-over map
+        assert_intact(engine, scope, pages)
+        assert_intact(daemon.client(shared_memory=False, token=TOKENS["engine"]), scope, pages)
+    tool = _client(daemon, "tool")  # the listed user with an untrusted token: remote path
+    tool.connect()
+    assert tool.transport == "grpc"
 
 
 def test_an_open_daemon_checks_the_user_too(
