@@ -1037,11 +1037,13 @@ class Store:
         held = self._pending_ns.pop(lease_id, None)
         if held is not None:
             namespace, n_bytes = held
-            left = self._ns_reserved[namespace] - n_bytes
+            # (a reservation that reserved nothing, n_bytes 0, may end after the namespace's
+            # last reserved bytes left: its entry is gone then)
+            left = self._ns_reserved.get(namespace, 0) - n_bytes
             if left > 0:
                 self._ns_reserved[namespace] = left
             else:
-                del self._ns_reserved[namespace]
+                self._ns_reserved.pop(namespace, None)
         owner = self._pending_client.pop(lease_id, None)
         if owner is None:
             return

@@ -1,11 +1,12 @@
 """`strata fuzz`: longer fuzzing campaigns than the test suite's short runs.
 
     strata fuzz [page] [--target page|rpc|lane|tcp] [--seconds 600] [--runs N] [--corpus DIR]
-                [--jobs N] [--artifacts DIR]
+                [--jobs N] [--artifacts DIR] [--auth]
         a coverage-guided (atheris / libFuzzer) campaign; crashes are written as crash-* files
         under --artifacts. Targets: the page codec (tests/fuzz/page_target.py), or a live
         daemon's gRPC request bytes, same-host lane frames or TCP data-path frames
-        (tests/fuzz/rpc_target.py; the daemon runs in the fuzzing process, on loopback)
+        (tests/fuzz/rpc_target.py; the daemon runs in the fuzzing process, on loopback; with
+        --auth it checks principals, and lane / TCP inputs may start with a valid HELLO)
     strata fuzz props [--target page|rpc] [--examples 20000]
         the property-based (hypothesis) tests with more examples, randomized: the page codec
         (tests/unit/test_page_fuzz.py) or every RPC against a `strata serve` child
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     page.add_argument("--corpus", type=Path, default=None, help="default fuzz-corpus/<target>")
     page.add_argument("--artifacts", type=Path, default=Path("fuzz-artifacts"))
     page.add_argument("--jobs", type=int, default=1, help="parallel fuzzing processes")
+    page.add_argument(
+        "--auth", action="store_true", help="rpc|lane|tcp: the daemon checks principals' tokens"
+    )
     props = sub.add_parser("props", help="the hypothesis properties, more examples")
     props.add_argument("--target", choices=sorted(PROPS), default="page")
     props.add_argument("--examples", type=int, default=20000)
@@ -74,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("strata fuzz: needs the repository checkout (tests/fuzz is missing)", file=sys.stderr)
         return 2
     env["STRATA_FUZZ_TARGET"] = ns.target
+    env["STRATA_FUZZ_AUTH"] = "1" if ns.auth else "0"
     corpus = ns.corpus or Path("fuzz-corpus") / ns.target
     corpus.mkdir(parents=True, exist_ok=True)
     ns.artifacts.mkdir(parents=True, exist_ok=True)

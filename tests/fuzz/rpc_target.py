@@ -1,7 +1,8 @@
 """A coverage-guided (atheris / libFuzzer) target: mutated request bytes against a live daemon.
 
-    STRATA_FUZZ_TARGET=rpc|lane|tcp python tests/fuzz/rpc_target.py [libFuzzer flags] [CORPUS ...]
-    strata fuzz --target rpc|lane|tcp [--seconds N | --runs N]
+    STRATA_FUZZ_TARGET=rpc|lane|tcp [STRATA_FUZZ_AUTH=1] python tests/fuzz/rpc_target.py \
+        [libFuzzer flags] [CORPUS ...]
+    strata fuzz --target rpc|lane|tcp [--auth] [--seconds N | --runs N]
 
 The daemon runs in this process (its kvstore/ and client/ code instrumented, so libFuzzer sees
 the coverage of the daemon's parsing and checks) and is reached only over loopback, as any
@@ -12,9 +13,10 @@ client would reach it:
   no serializer over a plain grpc channel (`channel.unary_unary(path)`).
 - `lane`: one frame on the same-host lane's unix socket: byte 0 the method id (0 = HELLO), byte
   1 the flags (bit 7: the frame announces the u32 of bytes 2-5 as its length instead of the
-  truth), the rest the payload.
+  truth; bit 6, with auth: a valid HELLO first), the rest the payload.
 - `tcp`: one frame of the TCP data path (client/ucx_protocol.py): byte 0 the kind, byte 1 flags
-  (bit 0: a foreign magic, bit 1: announce the u32 of bytes 6-9 as meta length), bytes 2-5 aux,
+  (bit 0: a foreign magic, bit 1: announce the u32 of bytes 6-9 as meta length, bit 2, with
+  auth: a valid HELLO first), bytes 2-5 aux,
   bytes 10-11 the meta length (capped by what is left), then the meta, then payload bytes sent
   if the daemon answers WANT.
 
@@ -67,13 +69,16 @@ with atheris.instrument_imports(include=["kvstore", "client"]):
         KIND_DONE,
         KIND_ERROR,
         KIND_GET,
+        KIND_HELLO,
         KIND_PUT,
         KIND_WANT,
+        KIND_WELCOME,
         MAGIC,
         PREAMBLE,
         VERSION,
         encode_put,
     )
+    from kvstore.auth import hash_token
     from kvstore.config import load_config
     from kvstore.server import Daemon
 
@@ -92,6 +97,11 @@ from fuzz.rpc_strategies import FUZZ_SCOPE, OTHER_SCOPE, World, fresh_pages, see
 from kvstore_pb import store_pb2 as pb
 
 TARGET = os.environ.get("STRATA_FUZZ_TARGET", "rpc")
+# With auth: the daemon checks principals; the fuzzer's token holds namespace "fuzz" (lane and
+# TCP inputs choose whether a HELLO with it comes first), the legitimate tenant's "legit".
+AUTH = os.environ.get("STRATA_FUZZ_AUTH") == "1"
+TOKENS = {"fuzzer": "fuzzer-token-0123456789", "legit": "legit-token-0123456789",
+          "ops": "ops-token-0123456789"}  # fmt: skip
 SELF_TEST = os.environ.get("STRATA_FUZZ_SELF_TEST") == "1"  # plant a bug: the harness must see it
 AUDIT_EVERY = int(os.environ.get("STRATA_FUZZ_AUDIT_EVERY", "500"))
 TIMEOUT_S = 5.0
@@ -104,6 +114,26 @@ _HEADER_FIXED = HEADER_FIXED_BYTES
 _KEY, _PARENT = 28, 44  # offsets of the key and the parent in a page header (client/page.py)
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
+
+
+def token(who: str) -> str | None:
+    return TOKENS[who] if AUTH else None
+
+
+def bearer(who: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[who]}"),) if AUTH else ()
+
+
+def tokens_file(folder: Path) -> Path:
+    path = folder / "tokens.toml"
+    path.write_text("".join(
+        f'[[principal]]\nname = "{who}"\ntoken_sha256 = "{hash_token(TOKENS[who])}"\n'
+        f"read = {rights}\nwrite = {rights}\ndelete = true\ntrusted_local = true\n"
+        f"operator = {str(who == 'ops').lower()}\n\n"
+        for who, rights in (("fuzzer", '["fuzz"]'), ("legit", '["legit"]'), ("ops", '["*"]'))
+    ))  # fmt: skip
+    path.chmod(0o600)
+    return path
 
 
 class Failures(logging.Handler):
@@ -144,6 +174,7 @@ class Live:
                     "limits.max_message_bytes": "320KiB",
                     "limits.lease_ttl_ms": "2000",
                     "limits.max_reserve_lease_ms": "2000",
+                    **({"auth.tokens_file": str(tokens_file(folder))} if AUTH else {}),
                 },
             )
         )
@@ -153,7 +184,8 @@ class Live:
         host, _, port = info.tcp_address.removeprefix("tcp://").rpartition(":")
         self.tcp = (host, int(port))
         self.channel = grpc.insecure_channel(self.address)
-        self.client = StoreClient(self.address, shared_memory=True)
+        self.client = StoreClient(self.address, shared_memory=True, token=token("legit"))
+        fuzzer = StoreClient(self.address, shared_memory=False, token=token("fuzzer"))
         rng = random.Random(7)
         layout = FUZZ_SCOPE.layout
         legit_scope = FUZZ_SCOPE.__class__(
@@ -170,7 +202,8 @@ class Live:
             [rng.randrange(50_000) for _ in range(6 * layout.page_tokens)],
             [rng.randbytes(FUZZ_SCOPE.page_payload_bytes) for _ in range(6)],
         )
-        assert self.client.put(FUZZ_SCOPE, known).stored == 6
+        assert fuzzer.put(FUZZ_SCOPE, known).stored == 6
+        fuzzer.close()
         self.world = World(FUZZ_SCOPE, OTHER_SCOPE, tuple(p.header.key for p in known), 64)
         self.inputs = 0
 
@@ -186,7 +219,7 @@ class Live:
             }
         scopes = {**self.world.scopes, self.legit_scope.digest: self.legit_scope}
         with private_channel(self.address) as channel:
-            report = audit(channel, live, scopes)
+            report = audit(channel, live, scopes, metadata=bearer("ops"))
         assert not report.bad, report.bad[:5]
         into = [bytearray(self.legit_scope.page_payload_bytes) for _ in self.legit]
         got = self.client.get(
@@ -280,7 +313,7 @@ def fuzz_rpc(d: Live, data: bytes) -> None:
     else:
         call = Call(method, messages)
     timeout = 0.05 if method == "Watch" else TIMEOUT_S
-    outcome = send(d.channel, call, timeout)
+    outcome = send(d.channel, call, timeout, bearer("fuzzer"))
     problem = check(call, outcome)
     if problem:
         raise AssertionError(f"{problem} [{call.describe()}]")
@@ -302,6 +335,20 @@ def _recv(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+LANE_HELLO = 0x40  # lane flags bit: a HELLO with the fuzzer's token comes first (auth only)
+
+
+def lane_hello(sock: socket.socket) -> None:
+    """Send HELLO with the fuzzer's token; it must be answered OK (the fuzzer is trusted)."""
+    hello = (TOKENS["fuzzer"]).encode()
+    sock.sendall(REQUEST.pack(len(hello), 0, 0, 0) + hello)
+    head = _recv(sock, RESPONSE.size)
+    assert head is not None, "the daemon closed the lane after a valid HELLO"
+    size, status, _ = RESPONSE.unpack(head)
+    body = _recv(sock, size) or b""
+    assert status == 0, f"a valid HELLO was answered {status}: {body[:200]!r}"
+
+
 def fuzz_lane(d: Live, data: bytes) -> None:
     if len(data) < 6:
         return
@@ -309,10 +356,12 @@ def fuzz_lane(d: Live, data: bytes) -> None:
     payload = data[6:]
     lying = bool(flags & 0x80)
     length = _U32.unpack_from(data, 2)[0] if lying else len(payload)
-    frame = REQUEST.pack(length, method, flags & 0x7F, 0) + payload
+    frame = REQUEST.pack(length, method, flags & 0x3F, 0) + payload
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(TIMEOUT_S)
         sock.connect(d.lane_path)
+        if AUTH and flags & LANE_HELLO:
+            lane_hello(sock)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(frame)
         if lying or flags & 1:  # announced more than it sent, or asked for no answer
@@ -336,10 +385,24 @@ def fuzz_lane(d: Live, data: bytes) -> None:
 # ---- tcp -------------------------------------------------------------------------------------
 
 
+TCP_HELLO = 0x04  # tcp flags bit: a HELLO with the fuzzer's token comes first (auth only)
+
+
+def tcp_hello(sock: socket.socket) -> None:
+    """Send HELLO with the fuzzer's token; it must be answered WELCOME."""
+    hello = TOKENS["fuzzer"].encode()
+    sock.sendall(PREAMBLE.pack(MAGIC, VERSION, KIND_HELLO, 0, len(hello)) + hello)
+    head = _recv(sock, PREAMBLE.size)
+    assert head is not None, "the daemon closed the TCP connection after a valid HELLO"
+    _, _, kind, _, meta = PREAMBLE.unpack(head)
+    body = _recv(sock, min(meta, 1 << 16)) or b""
+    assert kind == KIND_WELCOME, f"a valid HELLO was answered kind {kind}: {body[:200]!r}"
+
+
 def fuzz_tcp(d: Live, data: bytes) -> None:
     if len(data) < 12:
         return
-    kind, flags = data[0] % 8, data[1]
+    kind, flags = data[0] % 10, data[1]
     aux = _U32.unpack_from(data, 2)[0]
     rest = data[12:]
     meta_len = min(_U16.unpack_from(data, 10)[0], len(rest))
@@ -349,6 +412,8 @@ def fuzz_tcp(d: Live, data: bytes) -> None:
     magic = MAGIC ^ 0x0101 if flags & 1 else MAGIC
     frame = PREAMBLE.pack(magic, VERSION, kind, aux, announced) + meta
     with socket.create_connection(d.tcp, timeout=TIMEOUT_S) as sock:
+        if AUTH and flags & TCP_HELLO:
+            tcp_hello(sock)
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(frame)
         if lying:
@@ -384,7 +449,7 @@ FUZZERS = {"rpc": fuzz_rpc, "lane": fuzz_lane, "tcp": fuzz_tcp}
 def one_input(data: bytes) -> None:
     d = live()
     FUZZERS[TARGET](d, data)
-    problem = healthy(d.channel, TIMEOUT_S)
+    problem = healthy(d.channel, TIMEOUT_S, bearer("ops"))
     if problem:
         raise AssertionError(problem)
     if FAILURES.records:
@@ -409,7 +474,7 @@ def seeds(world: World) -> dict[str, bytes]:
         for call in seed_calls(world, pages):
             if call.method in METHOD_IDS:
                 out[f"lane-{call.method}"] = (
-                    bytes([METHOD_IDS[call.method], 0, 0, 0, 0, 0]) + call.requests[0]
+                    bytes([METHOD_IDS[call.method], LANE_HELLO, 0, 0, 0, 0]) + call.requests[0]
                 )
         out["lane-hello"] = bytes([0, 0, 0, 0, 0, 0])
     else:
@@ -418,11 +483,11 @@ def seeds(world: World) -> dict[str, bytes]:
             scope_digest=s.digest, scope=s.encode(), keys=b"".join(world.known_keys[:3])
         )
         meta = get.SerializeToString()
-        out["tcp-get"] = bytes([KIND_GET, 0]) + bytes(8) + _U16.pack(len(meta)) + meta
+        out["tcp-get"] = bytes([KIND_GET, TCP_HELLO]) + bytes(8) + _U16.pack(len(meta)) + meta
         begin = pb.PutBegin(scope=s.encode(), page_count=len(pages)).SerializeToString()
         meta = encode_put(begin, [h for h, _ in pages])
         out["tcp-put"] = (
-            bytes([KIND_PUT, 0]) + _U32.pack(len(pages)) + bytes(4) + _U16.pack(len(meta)) + meta
+            bytes([KIND_PUT, TCP_HELLO]) + _U32.pack(len(pages)) + bytes(4) + _U16.pack(len(meta)) + meta
             + b"".join(p for _, p in pages)
         )  # fmt: skip
     return out
@@ -432,7 +497,8 @@ def main() -> None:
     logging.getLogger().addHandler(FAILURES)  # the only handler: expected warnings stay quiet
     logging.getLogger().setLevel(logging.WARNING)
     args = list(sys.argv)
-    folders = [Path(a) for a in args[1:] if not a.startswith("-")]
+    # corpus folders get the seeds (a file named instead is an input to run again)
+    folders = [Path(a) for a in args[1:] if not a.startswith("-") and not Path(a).is_file()]
     if folders:
         world = live().world
         for folder in folders:

@@ -19,12 +19,15 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "tests" / "fuzz" / "rpc_target.py"
-RUNS = {"rpc": 1200, "lane": 3000, "tcp": 3000}
+# inputs per run, and whether the daemon checks principals (then lane and TCP inputs choose
+# whether a HELLO with the fuzzer's token comes first): the rpc run covers the open daemon,
+# the hypothesis run (test_rpc_fuzz.py) gRPC with principals
+RUNS = {"rpc": (1200, False), "lane": (3000, True), "tcp": (3000, True)}
 AUDIT_EVERY = 600
 
 
 def fuzz(
-    target: str, tmp: Path, *flags: str, env: dict[str, str] | None = None
+    target: str, tmp: Path, *flags: str, auth: bool = False, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(TARGET), *flags, "-seed=1", "-max_len=2000",
@@ -35,6 +38,7 @@ def fuzz(
             "PYTHONPATH": str(REPO),
             "STRATA_FUZZ_TARGET": target,
             "STRATA_FUZZ_AUDIT_EVERY": str(AUDIT_EVERY),
+            "STRATA_FUZZ_AUTH": "1" if auth else "0",
             **(env or {}),
         },
         capture_output=True,
@@ -45,9 +49,9 @@ def fuzz(
 
 @pytest.mark.parametrize("target", sorted(RUNS))
 def test_a_bounded_atheris_run_finds_nothing(tmp_path: Path, target: str) -> None:
-    runs = RUNS[target]
-    done = fuzz(target, tmp_path, f"-runs={runs}")
-    assert done.returncode == 0, done.stderr[-4000:]
+    runs, auth = RUNS[target]
+    done = fuzz(target, tmp_path, f"-runs={runs}", auth=auth)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert f"Done {runs} runs" in done.stderr
     assert sorted(p.name for p in (tmp_path / "corpus").iterdir())  # seeds were written
 
