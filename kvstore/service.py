@@ -236,6 +236,12 @@ class StoreService(store_pb2_grpc.StoreServicer):
             self.auth.remember(scope.digest, scope.namespace)
         return scope
 
+    def _namespace_of(self, digest: bytes) -> str | None:
+        """The namespace of a scope digest: as the index names the scopes of stored pages (put
+        since the start), else as the scopes of calls since the start have shown it."""
+        named = self.store.index.namespace_of(digest)
+        return named if named is not None else self.auth.namespace_of(digest)
+
     def _own(self, principal: Principal, lease_id: int) -> None:
         """Record the holder of a lease handed out under auth."""
         if self.auth.open or not lease_id:
@@ -598,7 +604,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         index = self.store.index
         digests = {entry.scope_digest for key in keys if (entry := index.get(key)) is not None}
         for digest in digests:
-            namespace = self.auth.namespace_of(digest)
+            namespace = self._namespace_of(digest)
             if namespace is None:
                 if not principal.operator:
                     self.auth.denied(principal, "delete")
@@ -659,7 +665,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         namespace the principal may read, as far as the daemon knows each digest's namespace:
         events of a digest it has not seen in a put or read are shown to operators only)."""
         everything = self.auth.open or principal.operator or ALL in principal.read
-        namespace_of = self.auth.namespace_of
+        namespace_of = self._namespace_of
         events = self.store.events
         cursor = events.last_seq
         while context.is_active() and not events.closed:

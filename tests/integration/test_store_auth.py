@@ -28,6 +28,7 @@ from conftest import (
     tokens_of,
 )
 
+import kvstore.auth
 from client import AsyncStoreClient, ClusterClient, Scope, StoreClient
 from client._wire import scope_bytes
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
@@ -445,3 +446,19 @@ def test_engines_and_the_router_pass_their_token(
         assert client.lookup(A, keys_of(chain(A, 5))).hit_count == 5
     finally:
         client.close()
+
+
+def test_deletes_by_key_know_the_namespace_of_stored_pages(
+    daemon: RunningDaemon, tenant_a: StoreClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's memory of digest -> namespace from calls is bounded; the index names the
+    scopes of stored pages anyway, so a delete by key is checked against the right namespace
+    after that memory has moved on."""
+    monkeypatch.setattr(kvstore.auth, "_NAMESPACE_MEMORY", 1)
+    b = _client(daemon, "engine-b")
+    assert b.put(B, chain(B, 2, seed=3)).stored == 2  # the memory now holds B's digest only
+    keys = keys_of(chain(A, 5))
+    with pytest.raises(PermissionDenied):
+        b.delete(keys=keys[:1])
+    assert tenant_a.delete(keys=keys[3:]) == 2
+    assert tenant_a.lookup(A, keys).hit_count == 3
