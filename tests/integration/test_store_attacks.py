@@ -17,6 +17,7 @@ import random
 import socket
 import subprocess
 import threading
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,13 @@ import grpc
 import pytest
 
 from client import Page, Scope, StoreClient, build_pages
-from client.errors import InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
+from client.errors import (
+    CapacityExhausted,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from client.page import PageHeader, payload_checksum
 from client.scope import KVLayout, chain_key
 from client.tls import TlsOptions
@@ -58,6 +65,7 @@ def scope_of(namespace: str) -> Scope:
 
 
 A, B, SHARED = scope_of("tenant-a"), scope_of("tenant-b"), scope_of("shared")
+B_DRAM_PAGES, B_SSD_PAGES = 4, 16  # tenant-b's quotas, in pages
 
 TOKENS_TOML = f"""
 [[principal]]
@@ -109,6 +117,11 @@ shared_namespaces = ["shared"]
 cert = "{folder / "server.pem"}"
 key = "{folder / "server.key"}"
 require = true
+
+[[quota]]
+namespace = "tenant-b"
+dram = "{B_DRAM_PAGES * B.page_payload_bytes}"
+ssd = "{B_SSD_PAGES * B.page_payload_bytes}"
 """
 
 
@@ -215,13 +228,19 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
 
 
 @pytest.fixture(autouse=True)
-def undisturbed(live: Live) -> Iterator[None]:
-    """After each attack: the daemon runs and answers; A's and B's pages are intact."""
+def undisturbed(live: Live, request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each attack: the daemon runs and answers; A's and B's pages are intact (B filling
+    its own quota may evict B's own pages: those still served must be B's, byte for byte)."""
     yield
     assert live.daemon.proc is not None and live.daemon.proc.poll() is None
     a, b = live.client("engine-a"), live.client("engine-b")
     assert read_back(a, A, live.a_pages) == [bytes(p.payload) for p in live.a_pages]
-    assert read_back(b, B, live.b_pages) == [bytes(p.payload) for p in live.b_pages]
+    got = read_back(b, B, live.b_pages)
+    if request.node.name.startswith("test_a_tenant_past_its_quota"):
+        got = [
+            g if g is not None else bytes(p.payload) for g, p in zip(got, live.b_pages, strict=True)
+        ]
+    assert got == [bytes(p.payload) for p in live.b_pages]
 
 
 def code_of(call: object) -> grpc.StatusCode:
@@ -451,3 +470,44 @@ def test_plaintext_is_refused_on_grpc_and_on_the_tcp_data_path(live: Live) -> No
         except ConnectionResetError:
             answer = b""
     assert answer == b"", "a plaintext data-path request was answered"
+
+
+# ---- a tenant past its quota (last: it fills tenant-b) ---------------------------------------
+
+
+def test_a_tenant_past_its_quota_is_refused_with_a_retry_hint_and_others_keep_serving(
+    live: Live,
+) -> None:
+    """tenant-b may hold 4 pages in DRAM and 16 on SSD. Filling past that makes room from
+    tenant-b's own pages only (tenant-a's stay, and tenant-b's usage stays within its quota);
+    a put that cannot fit its quota at all is RESOURCE_EXHAUSTED with a retry hint (which the
+    SDK's CapacityExhausted carries from the wire: gRPC's trailing `x-strata-retry-after`, or
+    the data path's ERROR frame)."""
+    b, a = live.client("engine-b"), live.client("engine-a")
+    for n in range(2 * (B_DRAM_PAGES + B_SSD_PAGES)):  # twice what tenant-b may hold
+        assert b.put(B, prompt(B, 1, seed=3000 + n)).stored == 1
+    usage = namespace_bytes(live, "tenant-b")
+    assert usage["dram"] <= B_DRAM_PAGES * B.page_payload_bytes
+    assert usage["ssd"] <= B_SSD_PAGES * B.page_payload_bytes
+    assert read_back(a, A, live.a_pages) == [bytes(p.payload) for p in live.a_pages]
+    too_big = prompt(B, B_DRAM_PAGES + 1, seed=9999)
+    with pytest.raises(CapacityExhausted) as refused:
+        b.put(B, too_big)
+    assert refused.value.retry_after_s > 0 and "quota" in str(refused.value)
+    assert b.lookup(B, keys_of(too_big)).hit_count == 0  # refused whole: nothing changed
+    # tenant-a is not held back by tenant-b's quota
+    more = prompt(A, 4, seed=98)
+    assert a.put(A, more).stored == 4
+    assert read_back(a, A, more) == [bytes(p.payload) for p in more]
+
+
+def namespace_bytes(live: Live, namespace: str) -> dict[str, float]:
+    """strata_namespace_bytes{namespace, tier} from the daemon's metrics."""
+    with urllib.request.urlopen(live.daemon.metrics_url, timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, float] = {"dram": 0.0, "ssd": 0.0}
+    for line in text.splitlines():
+        if line.startswith("strata_namespace_bytes{") and f'namespace="{namespace}"' in line:
+            tier = line.split('tier="', 1)[1].split('"', 1)[0]
+            out[tier] = float(line.rsplit(" ", 1)[1])
+    return out
