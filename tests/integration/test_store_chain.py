@@ -30,6 +30,7 @@ from test_store_paths import metric, scrape
 from client import (
     AsyncStoreClient,
     ClusterClient,
+    IoClass,
     Page,
     PutStatus,
     Scope,
@@ -39,6 +40,7 @@ from client import (
     page_tokens,
 )
 from client.errors import InvalidArgument
+from engine.store_link import StoreLink
 
 pytestmark = pytest.mark.integration
 
@@ -265,5 +267,45 @@ def test_the_cluster_client_checks_tokens_and_verifies_chains_across_nodes(
         good = client.get(VICTIM, keys_of(pages), into, tokens=tokens_of(pages))
         assert good.hit_count == 12
         assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
+    for n in nodes:
+        n.check()
+
+
+def test_an_engine_publishing_the_middle_of_a_prompt_to_a_cluster_stores_every_page(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """The engine's publisher sends the prompt's earlier tokens with each job, so a cluster node
+    that holds none of a page's ancestors still verifies it (and the pull checks the tokens)."""
+    nodes = [daemon_factory() for _ in range(3)]
+    ids = prompt_tokens(15, 10)
+    pages = prompt(VICTIM, 15, 10)
+    with ClusterClient(addresses=[n.address for n in nodes], replicas=1) as cluster:
+        link = StoreLink(cluster)
+        try:
+            first = 4  # pages 0..3 were "cached" elsewhere: the job starts at page 4
+            ticket = link.publish(
+                VICTIM,
+                pages[first - 1].header.key,
+                [p.header.tokens for p in pages[first:]],
+                [bytes(p.payload) for p in pages[first:]],
+                prefix_tokens=ids[: first * PAGE_TOKENS],
+            )
+            assert ticket.wait(30) and ticket.stored == len(pages) - first
+            keys = keys_of(pages[first:])
+            assert cluster.lookup(VICTIM, keys).hit_count == len(keys)
+            head = link.publish(
+                VICTIM,
+                VICTIM.digest,
+                [p.header.tokens for p in pages[:first]],
+                [bytes(p.payload) for p in pages[:first]],
+            )
+            assert head.wait(30) and head.stored == first
+            size = VICTIM.page_payload_bytes
+            got = link.fetch(VICTIM, ids, keys_of(pages), size, IoClass.NORMAL)
+            assert got.result.pages == len(pages) and got.result.rejected == 0
+            assert [bytes(b) for b in got.buffers] == [bytes(p.payload) for p in pages]
+        finally:
+            link.close()
+    assert sum(d.store.counters.chain_rejected for d in nodes) == 0
     for n in nodes:
         n.check()
