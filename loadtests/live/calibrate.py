@@ -22,6 +22,9 @@ the measurements into the simulator's terms:
 - contention: a long stream while prefill-only requests run back to back: its time per token
   while a prefill computes over its time per token otherwise (`decode_contention`), and those
   prefills' compute over the fitted prefill (`prefill_contention`), each at least 1;
+- idling: every measured request follows `idle_s` of idling (the live run's mean gap between
+  arrivals, capped), since a system woken from idle answers slower than one kept busy, most of
+  all on a machine shared with other work;
 - jitter: each alone prefill's compute over the fit (`prefill_jitter`, sorted): on a machine
   shared with other work the same prefill takes from about the fit to several times it, and a
   p50 over a run is moved by that skew; the simulator draws each prefill's multiplier from it.
@@ -37,6 +40,7 @@ import itertools
 import math
 import statistics
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,15 +80,21 @@ class CalibrationPlan:
     contention_tokens: int = 64
     contention_prefills: int = 6
     contention_rounds: int = 2
-    reps: int = 4
+    reps: int = 3
+    idle_s: float = 0.0  # idle before each measured request: the live run's typical gap
     vocab_size: int = 512
     token_low: int = 3
 
 
 def plan_for(
-    prompt_tokens: Sequence[int], vocab_size: int, page_tokens: int, token_low: int = 3
+    prompt_tokens: Sequence[int],
+    vocab_size: int,
+    page_tokens: int,
+    token_low: int = 3,
+    idle_s: float = 0.0,
 ) -> CalibrationPlan:
-    """A plan at the workload's own prompt lengths (quantiles of `prompt_tokens`)."""
+    """A plan at the workload's own prompt lengths (quantiles of `prompt_tokens`), each measured
+    request after `idle_s` of idling."""
     if not prompt_tokens:
         raise CalibrationError("the workload has no requests to take prompt lengths from")
     ordered = sorted(prompt_tokens)
@@ -101,6 +111,7 @@ def plan_for(
         decode_contexts=tuple(sorted({q(0.25), q(0.9)})),
         vocab_size=vocab_size,
         token_low=token_low,
+        idle_s=idle_s,
     )
 
 
@@ -184,19 +195,29 @@ class Prompts:
         ]
 
 
-def measure(send: Send, plan: CalibrationPlan, progress: Progress = lambda _: None) -> Measurements:
-    """Send the plan's requests (bounded: a fixed count, each bounded by `send`'s timeout)."""
+def measure(
+    send: Send,
+    plan: CalibrationPlan,
+    progress: Progress = lambda _: None,
+    idle: Callable[[float], None] = time.sleep,
+) -> Measurements:
+    """Send the plan's requests (bounded: a fixed count, each bounded by `send`'s timeout).
+    Each measured request (or group) follows `plan.idle_s` of idling, as a live request follows
+    the gap since the one before: a system woken from idle answers slower than one kept busy
+    back to back, most of all on a loaded machine."""
     prompts = Prompts(plan.vocab_size, plan.token_low)
     send(prompts.fresh(32), 2)  # warm-up, not kept
     prefill: list[RequestRecord] = []
     for length in plan.prompt_lengths:
         for _ in range(plan.reps):
+            idle(plan.idle_s)
             prefill.append(_ok(send(prompts.fresh(length), 1)))
     for length in plan.extension_lengths or plan.prompt_lengths:
         for _ in range(plan.reps):
             base = prompts.fresh(plan.cached_tokens)
             extra = prompts.fresh(max(1, length))
             _ok(send(base, 1))  # the prefix, published for the next request to hit
+            idle(plan.idle_s)
             prefill.append(_ok(send(base + extra, 1)))
     progress(
         f"prefill: {len(prefill)} requests, {', '.join(map(str, plan.prompt_lengths))} tokens "
@@ -207,6 +228,7 @@ def measure(send: Send, plan: CalibrationPlan, progress: Progress = lambda _: No
     for context in plan.decode_contexts:
         for batch in plan.decode_batches:
             for _ in range(max(1, plan.reps - 1)):
+                idle(plan.idle_s)
                 streams = _together(
                     [
                         functools.partial(send, prompts.fresh(context), plan.decode_tokens)
@@ -236,6 +258,7 @@ def measure(send: Send, plan: CalibrationPlan, progress: Progress = lambda _: No
                 raise CalibrationError("the contention stream had no first token in 600 s")
             return [_ok(send(p, 1)) for p in ps]
 
+        idle(plan.idle_s)
         got = _together([stream, prefills])
         contention.append((_ok(got[0]), tuple(got[1])))
     progress(f"contention: {plan.contention_rounds} streams against back-to-back prefills")

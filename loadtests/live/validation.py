@@ -43,6 +43,8 @@ from loadtests.report.records import RequestRecord, RunResult
 from loadtests.sim.cluster import ClusterSpec
 from loadtests.workload import WorkloadSpec, generate_requests
 
+MAX_IDLE_S = 1.5
+
 
 def profile_of(args: argparse.Namespace, target: UpTarget, cluster: ClusterSpec) -> str:
     """The profile whose pulls the simulation uses: --time-model, `strata up`'s, the cluster's."""
@@ -59,10 +61,14 @@ def measure_now(
     """The serving path measured now, at the prompt lengths of `rate`'s requests."""
     duration = args.duration or spec.duration_s
     lengths = [r.prompt_tokens for r in generate_requests(spec, rate=rate, duration_s=duration)]
-    plan = plan_for(lengths, spec.model.vocab_size, cluster.page_tokens, spec.model.token_low)
+    # each measured request after the rate's mean gap between arrivals (capped: bounded time)
+    idle = min(MAX_IDLE_S, 1.0 / rate) if rate > 0 else 0.0
+    plan = plan_for(
+        lengths, spec.model.vocab_size, cluster.page_tokens, spec.model.token_low, idle_s=idle
+    )
     print(
         f"calibrating the serving path at {target.base_url} (prompts of "
-        f"{', '.join(map(str, plan.prompt_lengths))} tokens)",
+        f"{', '.join(map(str, plan.prompt_lengths))} tokens, {idle:.2g} s idle before each)",
         flush=True,
     )
     http = httpx.Client(limits=httpx.Limits(max_connections=64))

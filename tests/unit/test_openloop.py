@@ -409,6 +409,7 @@ def test_calibration_measures_a_server_through_the_http_user(slow_server: str) -
         contention_prefills=2,
         contention_rounds=1,
         reps=1,
+        idle_s=0.25,
     )
     http = httpx.Client()
     t0 = time.perf_counter()
@@ -429,7 +430,11 @@ def test_calibration_measures_a_server_through_the_http_user(slow_server: str) -
         )
 
     lines: list[str] = []
-    m = measure(send, plan, lines.append)
+    idled: list[float] = []
+    m = measure(send, plan, lines.append, idle=idled.append)
+    # every measured request (or group) after the live run's gap: 6 prefills, 4 decode groups,
+    # 1 contention round
+    assert idled == [0.25] * 11
     http.close()
     assert len(m.prefill) == 6 and [b for b, _ in m.decode] == [1, 2, 1, 2]
     assert all(len(s) == b for b, s in m.decode) and len(m.contention) == 1
