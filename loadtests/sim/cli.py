@@ -147,10 +147,13 @@ def main(argv: Sequence[str]) -> int:
         cluster = load_cluster(args.cluster)
         if args.store:
             cluster = cluster.with_(store=args.store)
-        model = TimeModel.load(args.time_model or cluster.time_model)
         live: list[RunResult] = load_runs(args.validate) if args.validate else []
         calibration = load_runs(args.overheads_from) if args.overheads_from else []
         calibrated = load_calibration(args.calibration) if args.calibration else []
+        # with --calibration each rate has its own model (this one is only the fallback's)
+        model = TimeModel.load(
+            args.time_model or (calibrated[0].model_path if calibrated else cluster.time_model)
+        )
         if calibrated and (args.overheads_from or not live):
             raise ValueError("--calibration needs --validate and excludes --overheads-from")
     except (WorkloadError, ClusterError, ReportError, ValueError, FileNotFoundError) as exc:
