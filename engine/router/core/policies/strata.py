@@ -13,8 +13,9 @@ ledger grows with every dispatch) makes it slower than pulling remotely or recom
 loaded worker; then it explores there, and a hot prefix spreads over as many workers as its load
 needs. Every decision lists the priced candidates and the part of the cost each lost on.
 
-How it stays cheap (for 16 workers, 2.5-3x less CPU than pricing every pair in full, about
-2.5x a `round_robin` decision; `strata bench decisions`, docs/benchmarks.md):
+How it stays cheap (for 16 workers about 2.5x the CPU of a `round_robin` decision, 2.5-3x less
+than when each candidate was priced with `estimate_prefill` and `estimate_tpot`; `strata bench
+decisions`, docs/benchmarks.md):
 what depends on one worker is worked out once per decision (each prefill worker's TTFT parts,
 each host's pull, each decode worker's predicted batch), pairs are priced from plain numbers
 (`DecodeLoad.steps_at` prices one decode worker at every shortlisted join in one loop), and the
