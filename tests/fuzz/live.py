@@ -127,7 +127,15 @@ class LiveDaemon:
         return client
 
     def start(self) -> LiveDaemon:
+        """Start the daemon and store the first pages; on any failure the daemon is stopped."""
         self.process.start()
+        try:
+            return self._populate()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _populate(self) -> LiveDaemon:
         self.channel = grpc.insecure_channel(self.address)
         self.watcher = Watcher(self.channel, self.metadata("ops")).start()
         shm = self._client("legit", shared_memory=True)
