@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 _RESERVE = METHOD_IDS["Reserve"]
 _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
+# With auth on, a connection's first frame (HELLO) must arrive within this long, else it is
+# closed: a thread serving an unauthenticated connection is held for no longer.
+HELLO_TIMEOUT_S = 10.0
 _PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
@@ -163,6 +166,8 @@ class LaneServer:
         try:
             peer_pid, peer_uid = _peer_cred(conn)
             principal: Principal | None = None
+            if not self._auth.open:
+                conn.settimeout(HELLO_TIMEOUT_S)  # HELLO comes at once, or the connection goes
             while True:
                 length, method, flags, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
                 if length > self._max_frame:
@@ -182,6 +187,7 @@ class LaneServer:
                             conn.sendall(reply)
                         if principal is None:
                             return
+                        conn.settimeout(None)
                         continue
                 status, retry_ms, body = self._dispatch(method, payload, peer_pid, principal)
                 try:

@@ -52,6 +52,7 @@ from client.ucx_protocol import (
     KIND_WELCOME,
     PREAMBLE,
     TCP_SCHEME,
+    Frame,
     ManifestEntry,
     ProtocolError,
     decode_put,
@@ -76,6 +77,9 @@ _STOP_TIMEOUT_S = 5.0
 _TCP_BACKLOG = 128
 _META_STEP_BYTES = 1 << 20  # frame metadata over TCP is taken in steps of this, as it arrives
 _POOL_THREADS = 8  # per I/O class
+# With auth on, a connection's first frame (HELLO) must arrive within this long, else it is
+# closed: an unauthenticated connection holds nothing for longer.
+HELLO_TIMEOUT_S = 10.0
 _T = TypeVar("_T")
 
 
@@ -302,10 +306,10 @@ class BulkServer:
         principal: Principal | None = None
         try:
             while True:
-                head = bytearray(PREAMBLE.size)
-                await ep.recv(head)
-                frame = parse_preamble(head, self._max_meta)
-                meta = await _recv_meta(ep, frame.meta_bytes)
+                if principal is None and not self._auth.open:  # HELLO comes at once, or never
+                    frame, meta = await asyncio.wait_for(self._frame(ep), HELLO_TIMEOUT_S)
+                else:
+                    frame, meta = await self._frame(ep)
                 if principal is None:
                     principal = await self._hello(ep, frame.kind, meta)
                     if principal is None:
@@ -327,6 +331,12 @@ class BulkServer:
             self._handlers.discard(task)
             with contextlib.suppress(Exception):
                 ep.abort()
+
+    async def _frame(self, ep: Any) -> tuple[Frame, bytearray]:
+        head = bytearray(PREAMBLE.size)
+        await ep.recv(head)
+        frame = parse_preamble(head, self._max_meta)
+        return frame, await _recv_meta(ep, frame.meta_bytes)
 
     async def _hello(self, ep: Any, kind: int, meta: bytearray) -> Principal | None:
         """The principal of a connection whose first frame is `kind` (WELCOME sent for a HELLO),

@@ -22,6 +22,7 @@ from conftest import (
     tokens_of,
 )
 
+import kvstore.ucx_server
 from client import StoreClient
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from client.ucx_protocol import (
@@ -189,3 +190,17 @@ def test_a_get_must_carry_a_scope_that_matches_its_digest(
         assert (kind, count) == (KIND_MANIFEST, 2)
     assert _denied(daemon).get("scope_mismatch", 0) == 1
     assert_intact(a, A, pages)
+
+
+def test_a_connection_that_sends_no_hello_is_closed(
+    daemon_factory: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvstore.ucx_server, "HELLO_TIMEOUT_S", 0.3)
+    daemon = _daemon(daemon_factory, tmp_path, **{"server.tcp": "true"})
+    host, port = parse_address(daemon.info.tcp_address)
+    with socket.create_connection((host, port), timeout=10) as silent:
+        silent.sendall(preamble(KIND_HELLO, 0, 64))  # announces a token, never sends it
+        assert silent.recv(1) == b""  # closed by the daemon, not by this timeout
+    a = _client(daemon, "engine-a")  # serving on
+    pages = chain(A, 1, seed=30)
+    assert a.put(A, pages).stored == 1

@@ -159,6 +159,22 @@ def test_the_lane_refuses_a_bad_token_and_a_missing_hello(daemon: RunningDaemon)
     assert engine.transport == "shm"
 
 
+def test_a_lane_connection_that_sends_no_hello_is_closed(
+    daemon_factory: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvstore.lane, "HELLO_TIMEOUT_S", 0.3)
+    tokens = _tokens_file(tmp_path / "tokens.toml")
+    daemon = daemon_factory(ssd=None, settings={"auth.tokens_file": str(tokens)})
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.settimeout(10)
+        silent.connect(daemon.info.local_address.removeprefix("lane:"))
+        silent.sendall(REQUEST.pack(64, 0, 0, 0))  # HELLO announcing a token it never sends
+        assert silent.recv(1) == b""  # closed by the daemon, not by this timeout
+    engine = _client(daemon, "engine")  # and a client that says HELLO is served
+    engine.connect()
+    assert engine.transport == "shm"
+
+
 def test_another_user_is_refused_unless_listed(
     daemon_factory: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
