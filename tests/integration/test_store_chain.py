@@ -303,7 +303,7 @@ def test_an_engine_publishing_the_middle_of_a_prompt_to_a_cluster_stores_every_p
             size = VICTIM.page_payload_bytes
             got = link.fetch(VICTIM, ids, keys_of(pages), size, IoClass.NORMAL)
             assert got.result.pages == len(pages) and got.result.rejected == 0
-            assert [bytes(b) for b in got.buffers] == [bytes(p.payload) for p in pages]
+            assert [bytes(b) for b in got.payloads] == [bytes(p.payload) for p in pages]
         finally:
             link.close()
     assert sum(d.store.counters.chain_rejected for d in nodes) == 0
