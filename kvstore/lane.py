@@ -175,19 +175,10 @@ class LaneServer:
                     return
                 payload = bytes(recv_growing(conn, length)) if length else b""
                 if principal is None or method == HELLO:
-                    # the first frame: HELLO, or (open daemon only) a call as the OPEN principal
-                    principal, status, body = self._admit(
-                        payload if method == HELLO and principal is None else None, peer_uid
-                    )
-                    if principal is None or method == HELLO:
-                        reply = RESPONSE.pack(len(body), status, 0) + body
-                        if principal is not None and peer_uid != os.getuid():
-                            self._send_with_segment(conn, reply)
-                        else:
-                            conn.sendall(reply)
-                        if principal is None:
-                            return
-                        conn.settimeout(None)
+                    principal = self._greet(conn, method, payload, principal, peer_uid)
+                    if principal is None:
+                        return
+                    if method == HELLO:
                         continue
                 status, retry_ms, body = self._dispatch(method, payload, peer_pid, principal)
                 try:
@@ -215,6 +206,31 @@ class LaneServer:
             lease_id = store_pb2.ReserveResponse.FromString(body).lease_id
             if lease_id:
                 self._service.store.abort(lease_id)
+
+    def _greet(
+        self,
+        conn: socket.socket,
+        method: int,
+        payload: bytes,
+        bound: Principal | None,
+        peer_uid: int,
+    ) -> Principal | None:
+        """The connection's principal after its first frame: HELLO (answered: OK, with the
+        segment's descriptor for a listed user, or the refusal), or, on an open daemon only, a
+        call (then served as the OPEN principal). None: refused, the connection is to be
+        closed. A second HELLO is refused unless the daemon is open."""
+        hello = payload if method == HELLO and bound is None else None
+        principal, status, body = self._admit(hello, peer_uid)
+        if principal is not None and method != HELLO:
+            return principal  # an open daemon's client that sent no HELLO: served at once
+        reply = RESPONSE.pack(len(body), status, 0) + body
+        if principal is not None and peer_uid != os.getuid():
+            self._send_with_segment(conn, reply)
+        else:
+            conn.sendall(reply)
+        if principal is not None:
+            conn.settimeout(None)
+        return principal
 
     def _send_with_segment(self, conn: socket.socket, reply: bytes) -> None:
         """The HELLO answer, with the segment's descriptor when there is one."""
