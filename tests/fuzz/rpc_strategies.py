@@ -350,11 +350,19 @@ def calls(world: World) -> st.SearchStrategy[Call]:
     """A call of any method of the Store service."""
 
     def read(cls: type[Any], **more: st.SearchStrategy[object]) -> st.SearchStrategy[bytes]:
-        return st.builds(
-            lambda **f: message(cls, **f).SerializeToString(),
-            scope_digest=digest(world), scope=st.one_of(st.just(b""), scope_bytes(world)),
+        """Hostile reads, or (half the time) a well-formed scope and digest with hostile keys
+        and fields, which get past the scope checks to the lookup itself."""
+        build = lambda **f: message(cls, **f).SerializeToString()  # noqa: E731
+        hostile = st.builds(
+            build, scope_digest=digest(world), scope=st.one_of(st.just(b""), scope_bytes(world)),
             keys=packed_keys(world), **more,
         )  # fmt: skip
+        s = world.scope
+        sound = st.builds(
+            build, scope_digest=st.just(s.digest), scope=st.just(s.encode()),
+            keys=packed_keys(world), **more,
+        )  # fmt: skip
+        return st.one_of(hostile, sound)
 
     lookup = read(pb.LookupRequest)
     get = read(pb.GetRequest, io_class=enum_value())
