@@ -62,6 +62,8 @@ class ChainRejected(InvalidArgument):
             "which is neither the scope digest nor a key stored or verified under this scope"
         )
         self.index = index
+        self.key = key
+        self.parent = parent
 
 
 class ChainMemory:

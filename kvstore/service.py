@@ -38,6 +38,7 @@ from client.errors import (
 from client.page import PageHeader
 from client.scope import KEY_BYTES, Scope, unpack_keys
 from kvstore.auth import ALL, OPEN, Authenticator, Principal, bearer_token
+from kvstore.chain import ChainRejected
 from kvstore.fence import probe_holder
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Store
@@ -734,14 +735,17 @@ class _PutWriter:
     def _begin_page(self, chunk: store_pb2.PageChunk | ChunkView) -> None:
         if not chunk.header:
             raise InvalidArgument(f"page {chunk.index}: the first chunk must carry the header")
-        res = self._store.reserve(
-            self._scope,
-            [chunk.header],
-            self._store.config.limits.max_reserve_lease_ms,
-            self._io_class,
-            client=self._client,
-            chain_prefix=self.chain_prefix,
-        )
+        try:
+            res = self._store.reserve(
+                self._scope,
+                [chunk.header],
+                self._store.config.limits.max_reserve_lease_ms,
+                self._io_class,
+                client=self._client,
+                chain_prefix=self.chain_prefix,
+            )
+        except ChainRejected as exc:  # reserved alone: name the page by its index in the stream
+            raise ChainRejected(chunk.index, exc.key, exc.parent) from None
         self._index = chunk.index
         self._header = PageHeader.decode(chunk.header)
         self._received = 0
