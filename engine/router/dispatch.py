@@ -126,8 +126,17 @@ class Run:
     _closed: bool = False
 
     def timings(self) -> dict[str, float]:
-        """The latency split so far, in milliseconds (keys as in `split`, `_s` turned `_ms`)."""
-        return {k[:-2] + "_ms": round(v * 1e3, 3) for k, v in sorted(self.split.items())}
+        """The latency split so far, in milliseconds (keys as in `split`, `_s` turned `_ms`),
+        and `decode_ms` once a token came: the decode stream's time from the first token to the
+        last as the router saw it, less the decode worker's queue and pull in it (what is left
+        is its steps and their streaming)."""
+        split = dict(self.split)
+        if self.first_token_at:
+            span = self.last_token_at - self.first_token_at
+            if not self.placement.colocated:  # a co-located run queues and pulls before it
+                span -= split.get("decode_queue_s", 0.0) + split.get("decode_pull_s", 0.0)
+            split["decode_s"] = max(span, 0.0)
+        return {k[:-2] + "_ms": round(v * 1e3, 3) for k, v in sorted(split.items())}
 
     async def tokens(self) -> AsyncIterator[Token]:
         """The output, each token once and in order; raises HttpError when no worker can

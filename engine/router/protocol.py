@@ -115,8 +115,9 @@ class ChatCompletionRequest(_Sampling):
 
 TIMINGS = (
     "Strata: where the request's time went, in ms, as the workers report it (prefill queue, "
-    "lookup, KV pull, compute, sampling, publish wait; decode queue and KV pull). The last "
-    "chunk of a streamed answer carries the same object."
+    "lookup, KV pull, compute, sampling, publish wait; decode queue and KV pull) and the "
+    "decode stream's own time (decode_ms). The last chunk of a streamed answer carries the "
+    "same object."
 )
 
 

@@ -161,7 +161,7 @@ def test_text_prompt_and_stream_over_raw_http(stack: Stack) -> None:
 # the latency split as `Run.timings` names it: the prefill worker's parts and the decode worker's
 SPLIT = {
     "prefill_queue_ms", "lookup_ms", "prefill_pull_ms", "prefill_compute_ms", "sample_ms",
-    "publish_wait_ms", "decode_queue_ms", "decode_pull_ms",
+    "publish_wait_ms", "decode_queue_ms", "decode_pull_ms", "decode_ms",
 }  # fmt: skip
 
 
@@ -169,6 +169,7 @@ def _check_split(timings: object) -> dict[str, float]:
     assert isinstance(timings, dict) and set(timings) == SPLIT, timings
     assert all(isinstance(v, float | int) and v >= 0 for v in timings.values()), timings
     assert timings["prefill_compute_ms"] > 0  # the prefill worker did compute the prompt
+    assert timings["decode_ms"] > 0  # decode steps after the prefill's token
     return timings
 
 
