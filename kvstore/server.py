@@ -272,13 +272,20 @@ class Daemon:
         return self.info
 
     def _start_bulk(self, store: Store, service: StoreService, tls: ServerTls | None) -> None:
-        """Serve the bulk data paths configured (UCX where ucxx is usable and TLS is not
-        required, TCP); remote clients use gRPC streams where neither runs."""
+        """Serve the bulk data paths configured (UCX where ucxx is usable, TLS is not required
+        and the daemon is not open or `server.allow_open` says so: ucxx cannot listen on
+        loopback alone; TCP); remote clients use gRPC streams where neither runs."""
         server = self.config.server
         bulk = BulkServer(store, server.host, tls, service.auth)
         node = service.node
         if server.ucx:
             try:
+                if service.auth.open and not server.allow_open and not (tls and tls.require):
+                    # (with TLS required, start_ucx says why there is no UCX path)
+                    raise Unavailable(
+                        "its listener takes every interface and this daemon is open (no "
+                        "auth.tokens_file); server.allow_open = true serves it anyway"
+                    )
                 node = dataclasses.replace(node, ucx_address=bulk.start_ucx(server.ucx_port))
             except Unavailable as exc:
                 log.info("no UCX data path (%s)", exc)

@@ -313,7 +313,8 @@ class Rounds:
 
 
 def bench_critical(ns: argparse.Namespace, folder: Path, report: Report) -> None:
-    extra = ["--set", f"io.background_bytes_per_s={ns.cap}", "--set", "server.ucx=true"]
+    extra = ["--set", f"io.background_bytes_per_s={ns.cap}", "--set", "server.ucx=true",
+             "--set", "server.allow_open=true"]  # an open daemon's UCX listens on every NIC
     with DaemonProcess(folder / "flood", dram=ns.dram, ssd=ns.ssd, extra=extra) as daemon:
         scope = scope_for(64 << 10, "critical")
         size = scope.page_payload_bytes

@@ -470,7 +470,9 @@ def bench_ucx(folder: Path, ns: argparse.Namespace) -> list[Timing]:
     """The remote UCX path, on a daemon of its own with its UCX listener on (memcpy re-measured
     in the same run and rounds, so its ratios are side by side too)."""
     samples = Samples()
-    with DaemonProcess(folder, dram="2GiB", ssd="0", extra=["--set", "server.ucx=true"]) as daemon:
+    # an open daemon serves UCX (which listens on every interface) only with allow_open
+    ucx_on = ["--set", "server.ucx=true", "--set", "server.allow_open=true"]
+    with DaemonProcess(folder, dram="2GiB", ssd="0", extra=ucx_on) as daemon:
         client = StoreClient(daemon.address, shared_memory=False, tcp=False, timeout_s=60)
         try:
             client.connect()

@@ -9,6 +9,8 @@ A's pages intact and the daemon serving.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import logging
 import queue
 import threading
 import urllib.request
@@ -462,3 +464,17 @@ def test_deletes_by_key_know_the_namespace_of_stored_pages(
         b.delete(keys=keys[:1])
     assert tenant_a.delete(keys=keys[3:]) == 2
     assert tenant_a.lookup(A, keys).hit_count == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
+def test_an_open_daemon_serves_ucx_only_when_allowed_open(
+    daemon_factory: DaemonFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ucxx listens on every interface: an open daemon starts no UCX listener unless
+    server.allow_open says an open daemon off loopback is intended."""
+    caplog.set_level(logging.INFO, logger="kvstore.server")
+    closed = daemon_factory(ssd=None, settings={"server.ucx": "true"})
+    assert closed.info.ucx_address == ""
+    assert "this daemon is open" in caplog.text
+    allowed = daemon_factory(ssd=None, settings={"server.ucx": "true", "server.allow_open": "true"})
+    assert allowed.info.ucx_address.startswith("ucx://")

@@ -237,7 +237,11 @@ def test_required_tcp_without_a_listener_is_unavailable(daemon_factory: DaemonFa
 def test_auto_prefers_tcp_unless_ucx_has_a_fabric(
     daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    daemon = daemon_factory(dram="64MiB", ssd=None, settings={**TCP_ON, "server.ucx": "true"})
+    daemon = daemon_factory(
+        dram="64MiB",
+        ssd=None,
+        settings={**TCP_ON, "server.ucx": "true", "server.allow_open": "true"},
+    )
     monkeypatch.setenv("UCX_TLS", "tcp,self,sm")
     assert daemon.client(shared_memory=False).transport == "tcp"
     assert daemon.client(shared_memory=False, ucx=True).transport == "ucx"

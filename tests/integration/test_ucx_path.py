@@ -42,7 +42,7 @@ pytestmark = pytest.mark.integration
 HAVE_UCXX = importlib.util.find_spec("ucxx") is not None
 needs_ucxx = pytest.mark.skipif(not HAVE_UCXX, reason="ucxx is not installed (the `ucx` extra)")
 
-UCX_ON = {"server.ucx": "true"}
+UCX_ON = {"server.ucx": "true", "server.allow_open": "true"}  # an open daemon's UCX: every NIC
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16)  # 16 KiB
 MEDIUM = KVLayout(num_layers=4, num_kv_heads=4, head_dim=128, page_tokens=16)  # 256 KiB
 LARGE = KVLayout(num_layers=12, num_kv_heads=8, head_dim=128, page_tokens=32)  # 1.5 MiB
