@@ -119,6 +119,9 @@ class Index:
         self._digest_bytes: dict[bytes, list[int]] = {}
         self._digest_ns: dict[bytes, str] = {}
         self._ns_digests: dict[str, set[bytes]] = {}
+        # tier -> scope digest -> its keys resident in the tier, least recently used first
+        # (pinned ones included): a namespace's own eviction order (`scope_candidates`)
+        self._scope_lru: dict[Tier, dict[bytes, OrderedDict[bytes, None]]] = {t: {} for t in _TIERS}
         # tier -> (probation, protected, inner); values are the entry's stamp in that tier.
         self._order: dict[Tier, tuple[OrderedDict[bytes, int], ...]] = {
             t: (OrderedDict(), OrderedDict(), OrderedDict()) for t in _TIERS
@@ -194,6 +197,30 @@ class Index:
     def digests_of(self, namespace: str) -> frozenset[bytes]:
         """The scope digests named under `namespace`. Read-only."""
         return frozenset(self._ns_digests.get(namespace, ()))
+
+    def scope_candidates(self, tier: Tier, digests: frozenset[bytes]) -> Iterator[PageEntry]:
+        """Unpinned entries of the scopes `digests` resident in `tier`, least recently used
+        first (across the scopes by `last_access`): the order in which a namespace's own pages
+        leave a tier. Lazy and safe to mutate between steps, as `eviction_candidates`; each
+        entry is yielded at most once per iterator."""
+        lru = self._scope_lru[tier]
+        yielded: set[bytes] = set()
+        while True:
+            best: PageEntry | None = None
+            for digest in digests:
+                for key in lru.get(digest, ()):
+                    if key in yielded:
+                        continue
+                    entry = self._entries[key]
+                    if entry.leases:
+                        continue
+                    if best is None or entry.last_access < best.last_access:
+                        best = entry
+                    break
+            if best is None:
+                return
+            yielded.add(best.key)
+            yield best
 
     def keys_of_scope(self, scope_digest: bytes) -> list[bytes]:
         """Keys of the pages of one scope, in insertion order."""
@@ -378,6 +405,8 @@ class Index:
         entry.hits += 1
         self._tick += 1
         entry.last_access = self._tick
+        for t in entry.tiers:
+            self._scope_lru[t][entry.scope_digest].move_to_end(key)
         if entry.leases:  # a pinned page is in no eviction list; unpin files it as fresh
             return
         for t in entry.tiers:
@@ -410,6 +439,7 @@ class Index:
         if entry.leases == 0:  # in no list while pinned: file it at the most-recent end
             self._tick += 1
             for t in entry.tiers:
+                self._scope_lru[t][entry.scope_digest].move_to_end(key)
                 want = self._segment(entry, t)
                 if want is not None:
                     self._order[t][want][key] = self._tick
@@ -464,6 +494,10 @@ class Index:
         self._pages[tier] += 1
         self._bytes[tier] += entry.payload_bytes
         self._digest_bytes[entry.scope_digest][tier - 1] += entry.payload_bytes
+        lru = self._scope_lru[tier].get(entry.scope_digest)
+        if lru is None:
+            lru = self._scope_lru[tier][entry.scope_digest] = OrderedDict()
+        lru[entry.key] = None
         self._tick += 1
         # just arrived in `tier`, so in none of its lists yet: file it fresh (what _refile does
         # for this case, without looking for it first)
@@ -485,6 +519,10 @@ class Index:
         self._pages[tier] -= 1
         self._bytes[tier] -= entry.payload_bytes
         self._digest_bytes[entry.scope_digest][tier - 1] -= entry.payload_bytes
+        lru = self._scope_lru[tier][entry.scope_digest]
+        del lru[entry.key]
+        if not lru:
+            del self._scope_lru[tier][entry.scope_digest]
         for segment in self._order[tier]:
             if segment.pop(entry.key, None) is not None:
                 self._version += 1
@@ -531,6 +569,13 @@ class Index:
                 per_digest[entry.scope_digest][t - 1] += entry.payload_bytes
         if per_digest != self._digest_bytes:
             fail("per-scope byte counts differ from the entries'")
+        for t in _TIERS:
+            resident: dict[bytes, set[bytes]] = {}
+            for key, entry in self._entries.items():
+                if _resident(entry, t):
+                    resident.setdefault(entry.scope_digest, set()).add(key)
+            if resident != {d: set(keys) for d, keys in self._scope_lru[t].items()}:
+                fail(f"{t.name.lower()} per-scope recency lists differ from residency")
         if set(self._digest_ns) - set(self._digest_bytes):
             fail("a namespace is recorded for a scope with no pages")
         if {d for ds in self._ns_digests.values() for d in ds} != set(self._digest_ns):

@@ -86,15 +86,12 @@ class Tiers:
 
     def candidates(self, tier: Tier, only: frozenset[bytes] | None = None) -> Iterator[PageEntry]:
         """`Index.eviction_candidates(tier)`, pages of namespaces over their share of the tier
-        first (then every page, in its order; one a caller left in place may come twice). With
-        `only`: just the pages of those scope digests. Lazy, as the index's iterator."""
+        first, least recently used first (`Index.scope_candidates`), then every page in the
+        index's order (one a caller left in place may come twice). With `only`: just the pages
+        of those scope digests. Lazy, as the index's iterators."""
         first = self.over_share(tier) if only is None else only
-        if first:
-            for scanned, entry in enumerate(self.index.eviction_candidates(tier)):
-                if scanned > _MAX_VICTIM_SCAN:
-                    break
-                if entry.scope_digest in first:
-                    yield entry
+        if first:  # those namespaces' own pages, least recently used first
+            yield from self.index.scope_candidates(tier, first)
         if only is None:
             yield from self.index.eviction_candidates(tier)
 
