@@ -17,6 +17,8 @@ from client import CapacityExhausted, IoClass, Page, Scope, StoreClient, Tier
 from client._wire import put_requests
 from kvstore.config import load_config
 from kvstore.errors import InvalidArgument
+from kvstore.index import Index, PageEntry
+from kvstore.keys import Tier as StoreTier
 from kvstore.quota import NamespaceQuota, Quotas, parse_quotas
 
 pytestmark = pytest.mark.integration
@@ -233,3 +235,34 @@ def test_quota_tables_parse_and_bad_ones_are_clear_errors(tmp_path: Path) -> Non
             load_config(quota_file(tmp_path, body), env={})
     with pytest.raises(InvalidArgument, match="must be a string"):
         parse_quotas([{"namespace": 3}])
+
+
+def test_the_index_counts_bytes_per_namespace_and_orders_its_own_pages() -> None:
+    """Pure: per-namespace bytes per tier follow residency; a namespace's own candidates come
+    least recently used first, pinned ones never; the counts go with the scope's last page."""
+    index = Index()
+    a = [
+        PageEntry(bytes([i]) * 16, A.digest, A.digest, b"h", 100, dram=i * 100) for i in range(1, 4)
+    ]
+    b = PageEntry(bytes([9]) * 16, B.digest, B.digest, b"h", 100, dram=900)
+    for entry in [*a, b]:
+        index.insert(entry)
+    index.name_scope(A.digest, "tenant-a")
+    index.name_scope(B.digest, "tenant-b")
+    assert index.namespace_bytes("tenant-a", StoreTier.DRAM) == 300
+    assert index.namespace_bytes("tenant-b", StoreTier.DRAM) == 100
+    index.touch(a[0].key)  # now the most recent of tenant-a's
+    index.pin(a[1].key)
+    own = index.digests_of("tenant-a")
+    assert [e.key for e in index.scope_candidates(StoreTier.DRAM, own)] == [a[2].key, a[0].key]
+    index.set_residency(a[2].key, StoreTier.SSD, True)
+    index.set_residency(a[2].key, StoreTier.DRAM, None)
+    assert index.namespace_bytes("tenant-a", StoreTier.DRAM) == 200
+    assert index.namespace_bytes("tenant-a", StoreTier.SSD) == 100
+    index.check_integrity()
+    index.unpin(a[1].key)
+    for entry in a:
+        index.remove(entry.key)
+    assert index.namespace_bytes("tenant-a", StoreTier.DRAM) == 0
+    assert index.namespace_of(A.digest) is None and index.namespaces() == ["tenant-b"]
+    index.check_integrity()
