@@ -83,7 +83,7 @@ def parse_quotas(items: object) -> tuple[NamespaceQuota, ...]:
         namespace = item.get("namespace", "")
         if not isinstance(namespace, str):
             raise InvalidArgument(f"{where}.namespace must be a string")
-        if default == bool(namespace):
+        if default == ("namespace" in item):  # namespace = "" names the empty namespace
             raise InvalidArgument(
                 f'{where} needs exactly one of namespace = "..." or default = true'
             )

@@ -223,10 +223,15 @@ def test_quota_tables_parse_and_bad_ones_are_clear_errors(tmp_path: Path) -> Non
     assert quotas.limit("other", Tier.DRAM) == 256 << 20  # the default
     assert quotas.limit("other", Tier.SSD) == 0  # no limit
     assert not Quotas().enabled
+    empty = parse_quotas([{"namespace": "", "dram": "1MiB"}])  # the empty namespace, by name
+    assert (
+        Quotas(empty).limit("", Tier.DRAM) == 1 << 20 and Quotas(empty).limit("x", Tier.DRAM) == 0
+    )
     for body, why in (
         ('[[quota]]\nnamespace = "a"\ndram = "lots"\n', "not a size"),
         ('[[quota]]\nnamespace = "a"\nram = "1GiB"\n', "unknown key"),
         ('[[quota]]\ndram = "1GiB"\n', "exactly one of"),
+        ('[[quota]]\nnamespace = "a"\ndefault = true\n', "exactly one of"),
         ('[[quota]]\nnamespace = "a"\n[[quota]]\nnamespace = "a"\n', "two"),
         ("[[quota]]\ndefault = true\n[[quota]]\ndefault = true\n", "more than one"),
         ('quota = "a"\n', "array of tables"),
