@@ -271,8 +271,8 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
 
     @app.get("/debug/decisions", dependencies=[Depends(debug_caller)])
     async def decisions(limit: int = 50) -> JSONResponse:
-        items = list(service.dispatcher.decisions)[-max(1, min(limit, 1000)) :]
-        return JSONResponse({"decisions": items})
+        records = list(service.dispatcher.decisions)[-max(1, min(limit, 1000)) :]
+        return JSONResponse({"decisions": [r.as_dict() for r in records]})
 
     @app.get("/debug/workers", dependencies=[Depends(debug_caller)])
     async def workers() -> JSONResponse:

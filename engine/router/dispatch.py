@@ -88,6 +88,39 @@ class Job:
 
 
 @dataclass(frozen=True, slots=True)
+class DecisionRecord:
+    """One decision as GET /debug/decisions shows it. `as_dict` explains it (each candidate's
+    predicted cost and why it lost) when the record is read, not when the decision is made: an
+    explanation costs about as much CPU as the decision itself."""
+
+    request_id: str
+    slo_class: str
+    prompt_tokens: int
+    hit: PrefixHit
+    decision: Placement | Refusal
+    resumed_after: int | None = None  # a resume's record: placed after this many output tokens
+
+    def as_dict(self) -> dict[str, object]:
+        hit = self.hit
+        return {
+            "request_id": self.request_id,
+            **(
+                {"resumed_after_tokens": self.resumed_after}
+                if self.resumed_after is not None
+                else {}
+            ),
+            "slo_class": self.slo_class,
+            "prompt_tokens": self.prompt_tokens,
+            "prefix": {
+                "hit_pages": hit.hit_pages,
+                "tiers": list(hit.tiers),
+                "node_hosts": list(hit.node_hosts),
+            },
+            **explain(self.decision),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class Token:
     """One produced token (or a last event without one: `token_id` None)."""
 
@@ -309,7 +342,7 @@ class Dispatcher:
         stall_factor: float = 20.0,
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
-        decisions: collections.deque[dict[str, object]] | None = None,
+        decisions: collections.deque[DecisionRecord] | None = None,
     ) -> None:
         self.registry = registry
         self.lookup = lookup
@@ -553,23 +586,14 @@ class Dispatcher:
         decision: Placement | Refusal,
         resumed_after: int | None = None,
     ) -> None:
-        """Keep the decision's explanation (each candidate's predicted cost and why it lost)
-        for GET /debug/decisions, and log it at DEBUG. A resume's record says after how many
-        output tokens it was placed."""
-        record: dict[str, object] = {
-            "request_id": job.request_id,
-            **({"resumed_after_tokens": resumed_after} if resumed_after is not None else {}),
-            "slo_class": job.slo_class,
-            "prompt_tokens": len(job.prompt_ids),
-            "prefix": {
-                "hit_pages": hit.hit_pages,
-                "tiers": list(hit.tiers),
-                "node_hosts": list(hit.node_hosts),
-            },
-            **explain(decision),
-        }
+        """Keep the decision for GET /debug/decisions (explained when read), and log its
+        explanation at DEBUG. A resume's record says after how many output tokens it was placed."""
+        record = DecisionRecord(
+            job.request_id, job.slo_class, len(job.prompt_ids), hit, decision, resumed_after
+        )
         self.decisions.append(record)
-        log.debug("decision %s", record)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("decision %s", record.as_dict())
 
     # ---- bookkeeping hooks --------------------------------------------------------------
 
