@@ -377,7 +377,8 @@ class StoreService(store_pb2_grpc.StoreServicer):
             raise InvalidArgument(
                 f"{begin.page_count} pages in one put; the limit is {limits.max_keys_per_call}"
             )
-        writer = _PutWriter(self.store, scope.encode(), io_class, tier, client)
+        self.store.refuse_oversized_put(scope, begin.page_count)
+        writer = _PutWriter(self.store, scope.encode(), io_class, tier, client, begin.page_count)
         writer.chain_prefix = begin.chain_prefix
         try:
             for message in request_iterator:
@@ -694,9 +695,16 @@ class _PutWriter:
     """Receives one put stream page by page into DRAM reservations; verifies each page."""
 
     def __init__(
-        self, store: Store, scope: bytes, io_class: IoClass, tier: Tier | None, client: str
+        self,
+        store: Store,
+        scope: bytes,
+        io_class: IoClass,
+        tier: Tier | None,
+        client: str,
+        page_count: int,
     ) -> None:
         self._store = store
+        self._page_count = page_count  # PutBegin's: binding (the quota check trusted it)
         self._client = client
         self._scope = store.scope_of(scope)
         self._io_class = io_class
@@ -716,6 +724,10 @@ class _PutWriter:
             self._end_page()
             if chunk.index != self._index + 1:
                 raise InvalidArgument(f"page {chunk.index} arrived out of order")
+            if chunk.index >= self._page_count:
+                raise InvalidArgument(
+                    f"page {chunk.index} is past the {self._page_count} pages PutBegin announced"
+                )
             self._begin_page(chunk)
         elif chunk.header:
             raise InvalidArgument(f"page {chunk.index}: header repeated")

@@ -397,6 +397,23 @@ class Store:
             return False
         return key not in self.index or key in self._doomed
 
+    def refuse_oversized_put(self, scope: Scope, page_count: int) -> None:
+        """Raise CapacityExhausted (counted) if a put naming `page_count` pages of `scope` is
+        bigger than its namespace's whole DRAM quota: no room the namespace could make would
+        hold it. Decided from the count alone, not from which pages are new, so every put path
+        answers alike: a batch reserve (same-host, TCP/UCX) checks its headers, a gRPC put stream
+        the page_count of its PutBegin, before any page is stored."""
+        namespace = scope.namespace
+        quota = self.tiers.quotas.limit(namespace, _DRAM)
+        size = scope.page_payload_bytes * page_count
+        if quota and size > quota:
+            with self.counters.lock:
+                self.counters.quota_refused[namespace] += 1
+            raise CapacityExhausted(
+                f"a put of {page_count} pages ({size} bytes) exceeds namespace {namespace!r}'s "
+                f"DRAM quota of {quota}: put less at once"
+            )
+
     def reserve(
         self,
         scope: Scope,
@@ -424,13 +441,7 @@ class Store:
         ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
         namespace = scope.namespace
         quota = self.tiers.quotas.limit(namespace, _DRAM)
-        if quota and scope.page_payload_bytes * len(plan.new) > quota:  # room would not help
-            with self.counters.lock:
-                self.counters.quota_refused[namespace] += 1
-            raise CapacityExhausted(
-                f"a put of {len(plan.new)} pages ({scope.page_payload_bytes * len(plan.new)} "
-                f"bytes) exceeds namespace {namespace!r}'s DRAM quota of {quota}: put less at once"
-            )
+        self.refuse_oversized_put(scope, len(raw_headers))
         for _ in range(_ROOM_ROUNDS if quota else 0):  # the namespace's own pages make room
             with self._lock:
                 count = sum(1 for i in plan.new if self._writable(plan.headers[i].key))

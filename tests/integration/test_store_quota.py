@@ -6,6 +6,7 @@ refusals per namespace are on /metrics; a bad [[quota]] table is a clear config 
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import grpc
@@ -113,8 +114,8 @@ def test_a_put_past_the_quota_is_resource_exhausted_with_a_retry_hint_and_others
     d.check()
     assert d.store.stats().active_leases == 1  # the reader's only: nothing of the put leaked
     # a put bigger than the whole quota is refused at once, moving nothing out of DRAM (a
-    # gRPC stream reserves page by page: refused at its first page, tenant-a being full)
-    with pytest.raises(CapacityExhausted, match="put less at once" if path == "shm" else "quota"):
+    # gRPC stream too: at its PutBegin, from the page count it announces)
+    with pytest.raises(CapacityExhausted, match="put less at once"):
         client.put(A, singles(A, PAGES + 1, seed=50))
     # tenant-b keeps serving, and tenant-a's pages are intact
     assert client.put(B, singles(B, 4, seed=6)).stored == 4
@@ -122,6 +123,69 @@ def test_a_put_past_the_quota_is_resource_exhausted_with_a_retry_hint_and_others
     # once the reader is done, tenant-a's put makes its room and goes through
     assert d.store.release(held.lease_id)
     assert client.put(A, mine[PAGES:]).stored == 1
+    d.check()
+
+
+PUT_PATHS = {  # how a client is made for each put path, and the daemon settings it needs
+    "shm": ({}, {"shared_memory": True}),
+    "grpc": ({}, {"shared_memory": False}),
+    "tcp": ({"server.tcp": "true"}, {"shared_memory": False}),
+    "ucx": (
+        {"server.ucx": "true", "server.allow_open": "true"},
+        {"shared_memory": False, "ucx": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PUT_PATHS))
+def test_a_put_bigger_than_the_whole_quota_is_refused_alike_on_every_path(
+    daemon_factory: DaemonFactory, tmp_path: Path, path: str
+) -> None:
+    """Nothing pinned, so room could be made: the gRPC stream, which reserves page by page,
+    stored such a put page by page (pushing the namespace's own pages out of DRAM) where a batch
+    reserve refused it. Every path now refuses it before storing anything."""
+    if path == "ucx" and importlib.util.find_spec("ucxx") is None:
+        pytest.skip("ucxx is not installed (the `ucx` extra)")
+    settings, kwargs = PUT_PATHS[path]
+    body = f'[[quota]]\nnamespace = "tenant-a"\ndram = "{PAGES * PAGE_BYTES}"\n'
+    d = daemon_factory(
+        dram="2MiB",
+        config_file=quota_file(tmp_path, body),
+        settings={"dram.high_watermark": "1.0", "dram.low_watermark": "1.0", **settings},
+    )
+    client = d.client(**kwargs)  # type: ignore[arg-type]
+    assert client.transport == path
+    mine = singles(A, PAGES, seed=60)
+    assert client.put(A, mine).stored == PAGES
+    before = d.store.counters.quota_refused["tenant-a"]
+    with pytest.raises(CapacityExhausted, match="put less at once") as refused:
+        client.put(A, singles(A, PAGES + 1, seed=61))
+    assert refused.value.retry_after_s == pytest.approx(d.store.tiers.retry_after_s)
+    assert d.store.counters.quota_refused["tenant-a"] == before + 1
+    # nothing moved: tenant-a's pages are all still in DRAM, and nothing of the put was stored
+    assert all(d.tier_of(p.header.key) == (Tier.DRAM,) for p in mine)
+    assert d.store.stats().pages == PAGES
+    assert d.store.stats().active_leases == 0
+    d.check()
+
+
+def test_a_put_stream_may_not_send_more_pages_than_its_begin_announced(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """The stream's size check trusts PutBegin.page_count: a page past it is refused at once
+    (it was stored, and the count mismatch only noticed at the end of the stream)."""
+    d = quota_daemon(daemon_factory, tmp_path)
+    pages = singles(A, 3, seed=62)
+    views = [memoryview(bytes(p.payload)) for p in pages]
+    requests = list(
+        put_requests(A, pages, views, io_class=IoClass.NORMAL, tier=None, chunk_bytes=1 << 20)
+    )
+    requests[0].begin.page_count = 1
+    with pytest.raises(grpc.RpcError) as raised:
+        d.stub().Put(iter(requests), timeout=10)
+    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "past the 1 pages PutBegin announced" in (raised.value.details() or "")
+    assert d.tier_of(pages[1].header.key) == ()
     d.check()
 
 
