@@ -239,6 +239,8 @@ class Store:
                     ssd=True,
                 )
             )
+        for digest, namespace in result.namespaces.items():  # whose pages these are
+            self.index.name_scope(digest, namespace)
         return len(result.headers)
 
     def close(self) -> None:
@@ -635,10 +637,24 @@ class Store:
                         self._place(placed, tier, io_class)
             self.counters.add_bytes(path, "in", io_class, committed_bytes)
             stored = len(entries) + replacing
+        if entries:  # before any of them can reach SSD: a restart then knows their namespace
+            self._name_on_ssd(entries[0].scope_digest, namespace)
         for entry in to_ssd:  # placed as asked before the call returns, the store lock free
             self.mover.copy_to_ssd(entry, clear_dram=True, io_class=io_class, must_leave=False)
         self.mover.kick_if_above_watermark()
         return stored
+
+    def _name_on_ssd(self, digest: bytes, namespace: str) -> None:
+        """Record a scope's namespace in the SSD tier (kvstore/tiers/ssd.py `name_scope`), best
+        effort: a failure only means its pages, after a restart, belong to no namespace until a
+        put names the scope again. Lock NOT held."""
+        ssd = self.tiers.ssd
+        if ssd is None:
+            return
+        try:
+            ssd.name_scope(digest, namespace)
+        except StrataError as exc:
+            log.warning("ssd tier: cannot record the namespace of a scope: %s", exc)
 
     def _write_out(self, victims: Sequence[PageEntry], io_class: IoClass) -> None:
         """Demote `victims` to SSD to make room in DRAM: each written with the store lock free

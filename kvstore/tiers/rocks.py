@@ -6,6 +6,10 @@ where the payload is in the tier's segment files (kvstore/tiers/segments.py): pa
 pass through RocksDB, its compactions or its block cache. Nothing is compressed: the values are
 mostly digests and offsets.
 
+The default family also holds the namespace of each scope digest the tier's pages may carry
+(`_NAMESPACE_PREFIX` + digest -> namespace, written once per digest before its pages), so a
+restart knows whose pages it rebuilt (quotas, Watch filtering, deletes by key under auth).
+
 Salvage: a damaged block in an SST file of the headers would make every later compaction of that
 file fail, and RocksDB then refuses all writes. So the scan copies every header that passes its
 own checks into a fresh headers family (`headers.<generation>`), switches to it with one synced
@@ -43,9 +47,12 @@ __all__ = [
     "HEADERS_CF",
     "PAYLOADS_CF",
     "RocksHandles",
+    "delete_namespaces",
     "has_headers",
     "iterate_headers",
     "open_rocks",
+    "put_namespace",
+    "read_namespaces",
     "rocks_error",
     "salvage_headers",
 ]
@@ -57,6 +64,8 @@ PAYLOADS_CF = "payloads"
 # In the default column family: the name of the current headers family.
 _CURRENT_HEADERS_KEY = b"strata/current-headers-cf"
 _SALVAGE_BATCH = 1024
+# In the default family: the namespace (UTF-8) of a scope digest, under this prefix + digest.
+_NAMESPACE_PREFIX = b"strata/namespace/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,3 +235,48 @@ def salvage_headers(
         headers_cf=new_cf,
         payloads_cf=h.payloads_cf,
     )
+
+
+def put_namespace(h: RocksHandles, digest: bytes, namespace: str, opts: WriteOptions) -> None:
+    """Record that scope digest `digest` is of `namespace`. Mutates; raises Unavailable."""
+    try:
+        h.db.put(_NAMESPACE_PREFIX + digest, namespace.encode(), opts)
+    except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+        raise rocks_error("namespace write", exc) from exc
+
+
+def read_namespaces(h: RocksHandles) -> tuple[dict[bytes, str], str | None]:
+    """Every recorded scope digest -> namespace, and the error that ended the read. Pure.
+
+    A value that is not UTF-8 is left out (its digest then reads as unnamed)."""
+    found: dict[bytes, str] = {}
+    it = h.db.iter(ReadOptions())
+    try:
+        it.seek(_NAMESPACE_PREFIX)
+        while it.valid():
+            key = bytes(it.key())
+            if not key.startswith(_NAMESPACE_PREFIX):
+                break
+            try:
+                found[key[len(_NAMESPACE_PREFIX) :]] = bytes(it.value()).decode()
+            except UnicodeDecodeError:
+                log.warning("ssd tier: a namespace record that is not UTF-8 ignored")
+            it.next()
+        it.status()
+    except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+        return found, str(exc)
+    finally:
+        del it
+    return found, None
+
+
+def delete_namespaces(h: RocksHandles, digests: list[bytes], opts: WriteOptions) -> None:
+    """Forget the namespace records of `digests`. Mutates; raises Unavailable."""
+    try:
+        for start in range(0, len(digests), _SALVAGE_BATCH):
+            batch = WriteBatch(raw_mode=True)
+            for digest in digests[start : start + _SALVAGE_BATCH]:
+                batch.delete(_NAMESPACE_PREFIX + digest)
+            h.db.write(batch, opts)
+    except Exception as exc:  # rocksdict reports RocksDB errors as plain Exception
+        raise rocks_error("namespace delete", exc) from exc

@@ -31,9 +31,12 @@ from kvstore.keys import KEY_BYTES
 from kvstore.tiers.faults import NO_FAULTS, SsdFaults
 from kvstore.tiers.rocks import (
     RocksHandles,
+    delete_namespaces,
     has_headers,
     iterate_headers,
     open_rocks,
+    put_namespace,
+    read_namespaces,
     rocks_error,
     salvage_headers,
 )
@@ -59,6 +62,8 @@ class ScanResult:
     headers: list[PageHeader] = field(default_factory=list)
     dropped: int = 0
     complete: bool = True
+    # the namespace of each scope digest among `headers` that has one recorded (name_scope)
+    namespaces: dict[bytes, str] = field(default_factory=dict)
 
 
 def _location(raw: bytes) -> tuple[int, int, int]:
@@ -118,6 +123,9 @@ class SsdTier:
         if faults.active:
             log.warning("ssd tier: injecting faults: %s", faults)
         self._tombstones: dict[bytes, int] = {}  # deleted keys whose records are still on disk
+        # scope digest -> namespace as recorded on disk (name_scope); the digests of pages that
+        # left are pruned at the next scan
+        self._named: dict[bytes, str] = {}
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync_writes
         self._read_opts = ReadOptions()
@@ -250,6 +258,18 @@ class SsdTier:
         return header, (seg, offset, length)
 
     # ---- mutations -----------------------------------------------------------------------------
+
+    def name_scope(self, digest: bytes, namespace: str) -> None:
+        """Record, durably as page writes are, that scope digest `digest` is of `namespace`
+        (once per digest: a repeat costs a dict lookup), so that a restart's `scan` names the
+        scopes of the pages it finds. Mutates; raises Unavailable when RocksDB fails."""
+        with self._lock:
+            if self._named.get(digest) == namespace:
+                return
+            h = self._require_open()
+        put_namespace(h, digest, namespace, self._write_opts)
+        with self._lock:
+            self._named[digest] = namespace
 
     def write(self, header: PageHeader, payload: Buffer) -> int:
         """Store a page durably (WAL) under `header.key`; mutates. Returns `header.total_bytes`.
@@ -402,6 +422,15 @@ class SsdTier:
                 self._handles = salvage_headers(h, keep, bad, self._write_opts)
             elif bad:
                 self._delete_keys(h, bad)
+            recorded, error = read_namespaces(h)
+            if error is not None:
+                log.warning("ssd tier: reading the scopes' namespaces stopped early: %s", error)
+            digests = {header.scope_digest for header in headers}
+            named = {d: ns for d, ns in recorded.items() if d in digests}
+            gone = [d for d in recorded if d not in digests]
+            if gone and error is None:  # scopes none of whose pages is left
+                delete_namespaces(h, gone, self._write_opts)
+            self._named = named
             self._sizes = sizes
             self._where = where
             self._used = sum(sizes.values())
@@ -415,7 +444,7 @@ class SsdTier:
             self._used,
             emptied,
         )
-        return ScanResult(headers=headers, dropped=len(bad), complete=complete)
+        return ScanResult(headers=headers, dropped=len(bad), complete=complete, namespaces=named)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import kvstore.auth
 from client import AsyncStoreClient, ClusterClient, Scope, StoreClient
 from client._wire import scope_bytes
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from client.types import Event, EventKind, IoClass
+from client.types import Event, EventKind, IoClass, Tier
 from engine.router.lookup import StoreLookup
 from engine.store_spec import parse_store
 from engine.worker_config import load_worker_config
@@ -478,3 +478,39 @@ def test_an_open_daemon_serves_ucx_only_when_allowed_open(
     assert "this daemon is open" in caplog.text
     allowed = daemon_factory(ssd=None, settings={"server.ucx": "true", "server.allow_open": "true"})
     assert allowed.info.ucx_address.startswith("ucx://")
+
+
+def test_pages_rebuilt_from_ssd_keep_their_namespace(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """The SSD tier records each scope's namespace with its pages, so after a restart, before
+    any call names the scope again: the rebuilt pages count toward their namespace, their owner
+    may delete them by key (another tenant may not), and its Watch shows their events."""
+    tokens = _tokens_file(tmp_path / "tokens.toml")
+    settings = {
+        "auth.tokens_file": str(tokens),
+        "ssd.sync_writes": "true",
+    }
+    data = tmp_path / "persist"
+    first = daemon_factory(settings=settings, data_dir=data)
+    pages = chain(A, 4, seed=90)
+    assert _client(first, "engine-a").put(A, pages, tier=Tier.SSD).stored == 4
+    assert all(Tier.SSD in first.tier_of(p.header.key) for p in pages)
+    first.stop()
+
+    again = daemon_factory(settings=settings, data_dir=data)
+    assert again.store.rebuilt_pages == 4
+    with again.store._lock:
+        assert again.store.index.namespace_of(A.digest) == "tenant-a"
+        assert again.store.index.namespace_bytes("tenant-a", Tier.SSD) == 4 * A.page_payload_bytes
+    a, b = _client(again, "engine-a"), _client(again, "engine-b")
+    watcher = _Collector(_client(again, "engine-a"))
+    _prime(a, make_scope("tenant-a", model_id="test/other"), [watcher])  # names another scope
+    keys = keys_of(pages)
+    with pytest.raises(PermissionDenied):
+        b.delete(keys=keys[3:])
+    assert a.delete(keys=keys[3:]) == 1
+    seen = watcher.until(keys[3])
+    assert (seen[-1].kind, seen[-1].scope_digest) == (EventKind.REMOVED, A.digest)
+    assert_intact(a, A, pages[:3])
+    again.check()

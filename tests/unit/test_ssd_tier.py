@@ -119,6 +119,34 @@ def test_bad_arguments(tier: SsdTier) -> None:
     assert tier.used_bytes == 0
 
 
+def test_a_restart_scan_names_the_scopes_of_its_pages_and_forgets_the_rest(db_path: Path) -> None:
+    pages = make_chain(3)
+    digest = pages[0][0].scope_digest
+    gone = b"\x01" * 16  # a scope none of whose pages is on the tier
+    tier = SsdTier(db_path, 100 * PAGE_BYTES)
+    tier.name_scope(digest, "tenant-a")
+    tier.name_scope(gone, "tenant-b")
+    for header, payload in pages:
+        tier.write(header, payload)
+    tier.close()
+    for expected in ({digest: "tenant-a"}, {digest: "tenant-a"}):  # the second: after pruning
+        tier = SsdTier(db_path, 100 * PAGE_BYTES)
+        try:
+            assert tier.scan().namespaces == expected
+        finally:
+            tier.close()
+    db = Rdict(
+        str(db_path),
+        Options(raw_mode=True),
+        column_families={HEADERS_CF: Options(raw_mode=True), PAYLOADS_CF: Options(raw_mode=True)},
+    )
+    try:
+        assert db.get(b"strata/namespace/" + gone) is None  # pruned from disk, not just hidden
+        assert db.get(b"strata/namespace/" + digest) == b"tenant-a"
+    finally:
+        db.close()
+
+
 def test_restart_rebuilds_from_headers(db_path: Path) -> None:
     pages = make_chain(5)
     tier = SsdTier(db_path, 100 * PAGE_BYTES)
