@@ -36,6 +36,7 @@ from engine.reference import greedy_generate
 from engine.requests import DecodeRequest
 from engine.runtime import ModelRuntime
 from engine.sampling import SamplingParams
+from kvstore.auth import hash_token
 
 pytestmark = pytest.mark.integration
 
@@ -361,3 +362,54 @@ def test_a_full_store_refuses_pages_and_requests_still_complete(
     finally:
         engines.stop()
         store.close()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_workers_publish_and_pull_through_a_daemon_with_tokens(
+    runtime: ModelRuntime, daemon_factory: DaemonFactory, tmp_path: Path, shared_memory: bool
+) -> None:
+    """Engines with their principal's token (the same-host lane's HELLO, or gRPC metadata)
+    publish and pull their namespace's pages; an engine holding another namespace's token is
+    refused both ways by the daemon (so computes everything) and still answers right."""
+    tokens = {"engine-a": "engine-a-token-0123456789", "engine-b": "engine-b-token-0123456789"}
+    file = tmp_path / "tokens.toml"
+    file.write_text(
+        "".join(
+            f'[[principal]]\nname = "{name}"\ntoken_sha256 = "{hash_token(token)}"\n'
+            f'read = ["{name}-ns"]\nwrite = ["{name}-ns"]\ntrusted_local = true\n\n'
+            for name, token in tokens.items()
+        )
+    )
+    file.chmod(0o600)
+    d = daemon_factory(ssd=None, settings={"auth.tokens_file": str(file)})
+    stores = {
+        name: StoreClient(
+            d.address, shared_memory=shared_memory, timeout_s=2.0, retries=1, token=token
+        )
+        for name, token in tokens.items()
+    }
+    a, b = Engines(runtime, stores["engine-a"]), Engines(runtime, stores["engine-b"])
+    try:
+        prompt = prompt_of(runtime, 50, seed=30)  # 3 full pages
+        want = reference(runtime, prompt, GREEDY.max_tokens)
+        cold = a.prefill.prefill(prompt, GREEDY, namespace="engine-a-ns")
+        assert cold.published_pages == 3
+        rest = a.decode.generate(prompt, (cold.first_token,), GREEDY, namespace="engine-a-ns")
+        assert [cold.first_token, *rest.token_ids] == want
+        assert rest.stats.hit_tokens.total == 48  # pulled through the authenticated daemon
+        assert stores["engine-a"].transport == ("shm" if shared_memory else "grpc")
+        # engine-b's token does not hold engine-a-ns: its lookups and pulls miss, its pages
+        # are not published, and it computes the same answer
+        other = b.prefill.prefill(prompt, GREEDY, namespace="engine-a-ns")
+        assert (other.hit_tokens.total, other.published_pages) == (0, 0)
+        more = b.decode.generate(prompt, (other.first_token,), GREEDY, namespace="engine-a-ns")
+        assert more.stats.hit_tokens.total == 0
+        assert [other.first_token, *more.token_ids] == want
+        with d.store._lock:  # engine-a's pages only (its prompt's, and its decode's)
+            assert d.store.index.namespaces() == ["engine-a-ns"]
+    finally:
+        a.stop()
+        b.stop()
+        for store in stores.values():
+            store.close()
+    d.check()
