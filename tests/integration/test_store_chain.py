@@ -12,6 +12,7 @@ miss, counted in `GetResult.rejected`, on the sync, async and cluster clients al
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import pytest
 from conftest import (
@@ -69,6 +70,10 @@ def client_for(d: RunningDaemon, path: str) -> StoreClient:
     if path == "tcp":
         c = d.client(shared_memory=False)
         assert c.transport == "tcp"
+        return c
+    if path == "ucx":
+        c = d.client(shared_memory=False, ucx=True)
+        assert c.transport == "ucx"
         return c
     c = d.client(shared_memory=False, tcp=False)
     assert c.transport == "grpc"
@@ -200,11 +205,25 @@ def colliding(pages: list[Page]) -> list[tuple[int, ...]]:
     return tokens
 
 
-@pytest.mark.parametrize("path", ["shm", "grpc", "tcp"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "shm",
+        "grpc",
+        "tcp",
+        pytest.param(
+            "ucx",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed"
+            ),
+        ),
+    ],
+)
 def test_a_page_whose_tokens_are_not_the_callers_is_a_miss(
     daemon_factory: DaemonFactory, path: str
 ) -> None:
-    d = daemon_factory(settings={"server.tcp": "true"})
+    bulk = {"server.ucx": "true", "server.allow_open": "true"} if path == "ucx" else {}
+    d = daemon_factory(settings={"server.tcp": "true", **bulk})
     client = client_for(d, path)
     pages = prompt(VICTIM, 11, 3)
     assert client.put(VICTIM, pages).stored == 3
