@@ -34,6 +34,7 @@ import kvstore.auth
 from client import AsyncStoreClient, ClusterClient, Scope, StoreClient
 from client._wire import scope_bytes
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from client.lane import Lane, LaneError, LaneStub
 from client.types import Event, EventKind, IoClass, Tier
 from engine.router.lookup import StoreLookup
 from engine.store_spec import parse_store
@@ -188,15 +189,17 @@ def test_a_forged_or_missing_scope_is_refused(daemon: RunningDaemon, tenant_a: S
         with pytest.raises(grpc.RpcError) as info:
             getattr(stub, method)(request, metadata=meta, timeout=5)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, request)
-    get = stub.Get(
-        pb.GetRequest(scope_digest=A.digest, keys=keys, scope=scope_bytes(B)),
-        metadata=meta,
-        timeout=5,
-    )
-    with pytest.raises(grpc.RpcError) as info:
-        list(get)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _denied(daemon)["scope_mismatch"] == 4
+    streams = [
+        ("Get", pb.GetRequest(scope_digest=A.digest, keys=keys, scope=scope_bytes(B))),
+        ("Get", pb.GetRequest(scope_digest=A.digest, keys=keys)),
+        ("Watch", pb.WatchRequest(scope_digest=A.digest, scope=scope_bytes(B))),
+        ("Watch", pb.WatchRequest(scope_digest=A.digest)),
+    ]
+    for method, request in streams:
+        with pytest.raises(grpc.RpcError) as info:
+            next(iter(getattr(stub, method)(request, metadata=meta, timeout=5)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, request)
+    assert _denied(daemon)["scope_mismatch"] == 5
     assert_intact(tenant_a, A, chain(A, 5))
     daemon.check()
 
@@ -514,3 +517,54 @@ def test_pages_rebuilt_from_ssd_keep_their_namespace(
     assert (seen[-1].kind, seen[-1].scope_digest) == (EventKind.REMOVED, A.digest)
     assert_intact(a, A, pages[:3])
     again.check()
+
+
+def test_every_lane_call_is_checked_against_the_lanes_principal(
+    daemon: RunningDaemon, tenant_a: StoreClient
+) -> None:
+    """The same-host lane binds its connection to the HELLO's principal: B's lane can neither
+    end, renew nor commit A's lease, nor read, reserve in or delete from A's namespace, nor
+    forge A's digest under its own scope; A's lane serves on and A's pages stay intact."""
+    address = daemon.info.local_address
+    lanes = {who: Lane(address, TOKENS[who]) for who in ("engine-a", "engine-b")}
+    try:
+        a, b = (LaneStub(lanes[w], daemon.stub()) for w in ("engine-a", "engine-b"))
+        keys = b"".join(keys_of(chain(A, 5)))
+        held = a.Acquire(pb.AcquireRequest(scope=A.encode(), keys=keys), timeout=5)
+        assert held.lease_id and all(p.present for p in held.pages)
+        refused = [
+            (b.Release, pb.ReleaseRequest(lease_id=held.lease_id), "PERMISSION_DENIED"),
+            (b.Renew, pb.RenewRequest(lease_id=held.lease_id), "PERMISSION_DENIED"),
+            (b.Commit, pb.CommitRequest(lease_id=held.lease_id), "PERMISSION_DENIED"),
+            (b.Lookup, pb.LookupRequest(scope=A.encode(), keys=keys), "PERMISSION_DENIED"),
+            (b.Acquire, pb.AcquireRequest(scope=A.encode(), keys=keys), "PERMISSION_DENIED"),
+            (b.Delete, pb.DeleteRequest(keys=keys), "PERMISSION_DENIED"),
+            (
+                b.Delete,
+                pb.DeleteRequest(scope_digest=A.digest, scope=A.encode()),
+                "PERMISSION_DENIED",
+            ),
+            (
+                b.Reserve,
+                pb.ReserveRequest(scope=A.encode(), headers=[chain(A, 6)[5].header.encode()]),
+                "PERMISSION_DENIED",
+            ),
+            (
+                b.Lookup,
+                pb.LookupRequest(scope_digest=A.digest, scope=B.encode(), keys=keys),
+                "INVALID_ARGUMENT",
+            ),
+            (b.Lookup, pb.LookupRequest(scope_digest=A.digest, keys=keys), "INVALID_ARGUMENT"),
+        ]
+        for call, request, code in refused:
+            with pytest.raises(LaneError) as info:
+                call(request, timeout=5)
+            assert info.value.code().name == code, (request, info.value.details())
+        assert len(daemon.store.leases) == 1  # A's only: B's calls changed nothing
+        assert a.Renew(pb.RenewRequest(lease_id=held.lease_id), timeout=5).lease_expires_unix_ms
+        assert a.Release(pb.ReleaseRequest(lease_id=held.lease_id), timeout=5).released
+    finally:
+        for lane in lanes.values():
+            lane.close()
+    assert_intact(tenant_a, A, chain(A, 5))
+    daemon.check()
