@@ -568,3 +568,56 @@ def test_every_lane_call_is_checked_against_the_lanes_principal(
             lane.close()
     assert_intact(tenant_a, A, chain(A, 5))
     daemon.check()
+
+
+WRITE_PATHS = {  # put path -> (client keyword arguments, the transport it must settle on)
+    "grpc": ({"shared_memory": False, "tcp": False}, "grpc"),
+    "shm": ({"shared_memory": True}, "shm"),
+    "tcp": ({"shared_memory": False}, "tcp"),
+    "ucx": ({"shared_memory": False, "ucx": True}, "ucx"),
+}
+
+
+@pytest.mark.parametrize("path", sorted(WRITE_PATHS))
+def test_only_an_operator_writes_or_deletes_the_shared_namespace_on_every_path(
+    daemon_factory: DaemonFactory, tmp_path: Path, path: str
+) -> None:
+    """A principal that writes and deletes every namespace ("*") but is no operator can neither
+    put into the shared namespace (gRPC stream, same-host reserve, TCP or UCX put) nor delete
+    its pages by key or by scope; the operator can, over the same path."""
+    if path == "ucx" and importlib.util.find_spec("ucxx") is None:
+        pytest.skip("ucxx is not installed")
+    names = {"wide": ("false", "wide-token-0123456789"), "ops": ("true", TOKENS["ops"])}
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        "".join(
+            f'[[principal]]\nname = "{name}"\ntoken_sha256 = "{hash_token(token)}"\n'
+            f'read = ["*"]\nwrite = ["*"]\ndelete = true\noperator = {operator}\n'
+            "trusted_local = true\n\n"
+            for name, (operator, token) in names.items()
+        )
+    )
+    tokens.chmod(0o600)
+    settings = {"auth.tokens_file": str(tokens), "auth.shared_namespaces": "shared"}
+    settings |= {"server.tcp": "true", "server.ucx": "true" if path == "ucx" else "false"}
+    d = daemon_factory(ssd=None, settings=settings)
+    kwargs, transport = WRITE_PATHS[path]
+    wide = d.client(token=names["wide"][1], **kwargs)
+    ops = d.client(token=names["ops"][1], **kwargs)
+    assert (wide.transport, ops.transport) == (transport, transport)
+    prompt = chain(SHARED, 3, seed=70)
+    with pytest.raises(PermissionDenied):
+        wide.put(SHARED, prompt)
+    assert d.store.stats().pages == 0 and d.store.stats().active_leases == 0
+    assert ops.put(SHARED, prompt).stored == 3
+    with pytest.raises(PermissionDenied):
+        wide.put(SHARED, chain(SHARED, 4, seed=70))  # a continuation of the operator's pages
+    with pytest.raises(PermissionDenied):
+        wide.delete(keys=keys_of(prompt))
+    with pytest.raises(PermissionDenied):
+        wide.delete(scope=SHARED)
+    assert_intact(wide, SHARED, prompt)  # readable by all, and intact
+    assert wide.put(A, chain(A, 2, seed=71)).stored == 2  # its other rights hold
+    assert ops.delete(keys=keys_of(prompt)[2:]) == 1
+    assert ops.delete(scope=SHARED) == 2
+    d.check()
