@@ -225,6 +225,18 @@ class Scope:
         return self.layout.payload_bytes(self.kv_dtype)
 
 
+# A namespace "<base>#<anything>" is a sub-namespace of <base> (the router's cache_salt pages live
+# under "<tenant namespace>#<salt digest>"): a store principal's rights and a [[quota]] of
+# <base> cover it (kvstore/auth.py, kvstore/quota.py); its pages stay apart from <base>'s.
+SUB_NAMESPACE_SEPARATOR = "#"
+
+
+def base_namespace(namespace: str) -> str:
+    """The namespace `namespace` is a sub-namespace of: what precedes its first "#", else
+    `namespace` itself. Pure."""
+    return namespace.partition(SUB_NAMESPACE_SEPARATOR)[0]
+
+
 def _utf8(text: str, name: str) -> bytes:
     if not isinstance(text, str):
         raise InvalidArgument(f"Scope.{name} must be a str, got {type(text).__name__}")

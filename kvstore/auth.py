@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Protocol
 
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from client.scope import Scope
+from client.scope import Scope, base_namespace
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ class Principal:
     `shared` namespaces are readable by every principal and writable only by operators (the
     Authenticator fills it from `auth.shared_namespaces`). `delete` allows deleting (by scope or
     by key) in the namespaces the principal may write. Operators may also read every namespace's
-    Watch events. `trusted_local` principals may use the same-host path.
+    Watch events. `trusted_local` principals may use the same-host path. A right on a
+    namespace covers its sub-namespaces, "<namespace>#..." (`client.scope.base_namespace`: the
+    router's cache_salt pages); a sub-namespace of a shared namespace is shared.
     """
 
     name: str
@@ -76,12 +78,26 @@ class Principal:
     shared: frozenset[str] = field(default=frozenset())
 
     def may_read(self, namespace: str) -> bool:
-        return ALL in self.read or namespace in self.read or namespace in self.shared
+        """A right on a namespace covers its sub-namespaces (`client.scope.base_namespace`)."""
+        base = base_namespace(namespace)
+        return (
+            ALL in self.read
+            or namespace in self.read
+            or base in self.read
+            or namespace in self.shared
+            or base in self.shared
+        )
+
+    def is_shared(self, namespace: str) -> bool:
+        """A shared namespace, or a sub-namespace of one."""
+        return namespace in self.shared or base_namespace(namespace) in self.shared
 
     def may_write(self, namespace: str) -> bool:
-        if namespace in self.shared:
+        if self.is_shared(namespace):
             return self.operator
-        return ALL in self.write or namespace in self.write
+        return (
+            ALL in self.write or namespace in self.write or base_namespace(namespace) in self.write
+        )
 
     def check_read(self, namespace: str) -> None:
         """Raise PermissionDenied unless this principal may read `namespace`."""
@@ -92,7 +108,7 @@ class Principal:
         """Raise PermissionDenied unless this principal may write `namespace` (a shared one:
         operators only)."""
         if not self.may_write(namespace):
-            why = " (a shared namespace: operators only)" if namespace in self.shared else ""
+            why = " (a shared namespace: operators only)" if self.is_shared(namespace) else ""
             raise PermissionDenied(
                 f"principal {self.name!r} may not write namespace {namespace!r}{why}"
             )

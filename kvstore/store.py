@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from client.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
-from client.scope import KEY_BYTES, Scope
+from client.scope import KEY_BYTES, Scope, base_namespace
 from kvstore.chain import ChainRejected, first_unverified, prefix_keys
 from kvstore.config import StoreConfig
 from kvstore.errors import (
@@ -405,7 +405,7 @@ class Store:
         hold it. Decided from the count alone, not from which pages are new, so every put path
         answers alike: a batch reserve (same-host, TCP/UCX) checks its headers, a gRPC put stream
         the page_count of its PutBegin, before any page is stored."""
-        namespace = scope.namespace
+        namespace = base_namespace(scope.namespace)  # a sub-namespace counts as its base's
         quota = self.tiers.quotas.limit(namespace, _DRAM)
         size = scope.page_payload_bytes * page_count
         if quota and size > quota:
@@ -441,7 +441,7 @@ class Store:
         plan = self.plan_put(scope, raw_headers, chain_prefix)
         limits = self.config.limits
         ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
-        namespace = scope.namespace
+        namespace = base_namespace(scope.namespace)
         quota = self.tiers.quotas.limit(namespace, _DRAM)
         self.refuse_oversized_put(scope, len(raw_headers))
         for _ in range(_ROOM_ROUNDS if quota else 0):  # the namespace's own pages make room
@@ -501,7 +501,7 @@ class Store:
             self.reap_leases()
             new = [i for i in plan.new if self._writable(plan.headers[i].key)]
             slot_bytes = self.tiers.dram.slot_bytes_for(scope.page_payload_bytes) * len(new)
-            namespace = scope.namespace
+            namespace = base_namespace(scope.namespace)
             need = scope.page_payload_bytes * len(new)
             quota = self.tiers.quotas.limit(namespace, _DRAM)
             if quota and new:

@@ -621,3 +621,27 @@ def test_only_an_operator_writes_or_deletes_the_shared_namespace_on_every_path(
     assert ops.delete(keys=keys_of(prompt)[2:]) == 1
     assert ops.delete(scope=SHARED) == 2
     d.check()
+
+
+def test_a_tenants_token_covers_its_salted_sub_namespaces(
+    daemon: RunningDaemon, tenant_a: StoreClient
+) -> None:
+    """The router keys a request with a cache_salt under "tenant-a#<salt digest>": engine-a's
+    token (rights on tenant-a) puts, reads and deletes there, engine-b's does not."""
+    salted = make_scope("tenant-a#0123abcd")
+    pages = chain(salted, 3, seed=95)
+    assert tenant_a.put(salted, pages).stored == 3
+    assert_intact(tenant_a, salted, pages)
+    b = _client(daemon, "engine-b")
+    with pytest.raises(PermissionDenied):
+        b.lookup(salted, keys_of(pages))
+    with pytest.raises(PermissionDenied):
+        b.put(salted, chain(salted, 4, seed=95))
+    with pytest.raises(PermissionDenied):
+        b.delete(keys=keys_of(pages))
+    with pytest.raises(PermissionDenied, match="operators only"):
+        shared_salted = make_scope("shared#0123abcd")
+        _client(daemon, "engine-a").put(shared_salted, chain(shared_salted, 1))
+    assert tenant_a.delete(keys=keys_of(pages)[2:]) == 1
+    assert tenant_a.delete(scope=salted) == 2
+    assert_intact(tenant_a, A, chain(A, 5))

@@ -189,6 +189,36 @@ def test_a_put_stream_may_not_send_more_pages_than_its_begin_announced(
     d.check()
 
 
+def test_a_namespaces_quota_covers_its_sub_namespaces(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    """Pages of "tenant-a#<salt>" (the router's cache_salt pages) count toward tenant-a's quota
+    and make room from tenant-a's own pages: a tenant cannot hold more than its quota by using
+    many salts, and the per-namespace metrics name tenant-a only (not one label per salt)."""
+    d = quota_daemon(daemon_factory, tmp_path, ssd=None)
+    client = d.client(shared_memory=False)
+    salted = [make_scope(f"tenant-a#salt-{i}") for i in range(3)]
+    theirs = singles(B, 4, seed=80)
+    put_each(client, B, theirs)
+    for i, scope in enumerate(salted):
+        put_each(client, scope, singles(scope, PAGES, seed=81 + i))
+        assert dram_bytes(d, A) == PAGES * PAGE_BYTES  # salts and all: never over the quota
+    # the last salt's pages are the ones left; tenant-b's are untouched
+    assert d.store.stats().pages == PAGES + len(theirs)
+    assert all(d.tier_of(p.header.key) == (Tier.DRAM,) for p in theirs)
+    with pytest.raises(CapacityExhausted, match="put less at once"):
+        client.put(salted[0], singles(salted[0], PAGES + 1, seed=90))
+    with d.store._lock:
+        assert sorted(d.store.index.namespaces()) == ["tenant-a", "tenant-b"]
+    samples = scrape(d.info.metrics_url)
+    named = {dict(labels).get("namespace") for _, labels in samples} - {None}
+    assert named == {"tenant-a", "tenant-b"}  # no label per salt
+    assert metric(samples, "strata_namespace_bytes", namespace="tenant-a", tier="dram") == (
+        PAGES * PAGE_BYTES
+    )
+    d.check()
+
+
 def test_the_retry_hint_travels_in_trailing_metadata(
     daemon_factory: DaemonFactory, tmp_path: Path
 ) -> None:

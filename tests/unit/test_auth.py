@@ -11,7 +11,8 @@ import pytest
 
 from client._wire import STORE_METHODS, auth_metadata, error_from_status, resolve_token, with_token
 from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from client.scope import KVLayout, Scope
+from client.scope import SUB_NAMESPACE_SEPARATOR, KVLayout, Scope, base_namespace
+from engine.router.core.tenancy import SALT_SEPARATOR, salted_namespace
 from kvstore.auth import (
     OPEN,
     Authenticator,
@@ -141,6 +142,32 @@ def test_rights_by_namespace() -> None:
     writer = Principal("w", frozenset(), frozenset({"*"}), shared=shared)
     with pytest.raises(PermissionDenied):
         writer.check_write("pub")
+
+
+def test_rights_on_a_namespace_cover_its_sub_namespaces() -> None:
+    """The router keys a request with a cache_salt under "<namespace>#<salt digest>": the
+    tenant's engines hold rights on "<namespace>", which must cover it (else every salted
+    request's store calls were PERMISSION_DENIED: no cache), and a shared namespace's
+    sub-namespaces stay operators-only."""
+    shared = frozenset({"pub"})
+    tenant = Principal("t", frozenset({"a"}), frozenset({"a"}), delete=True, shared=shared)
+    ops = Principal("o", frozenset(), frozenset(), operator=True, shared=shared)
+    salted = salted_namespace("a", "user-1")
+    assert salted.startswith("a" + SUB_NAMESPACE_SEPARATOR) and base_namespace(salted) == "a"
+    assert SALT_SEPARATOR == SUB_NAMESPACE_SEPARATOR  # the router's and the store's agree
+    for namespace in (salted, "a#", "a#x#y"):
+        tenant.check_read(namespace)
+        tenant.check_write(namespace)
+        tenant.check_delete(namespace)
+    for other in ("ab", "b#a", "#a", "", "b"):  # neither a nor one of its sub-namespaces
+        assert not tenant.may_read(other) and not tenant.may_write(other), other
+    tenant.check_read("pub#x")  # shared ones are readable by all, sub-namespaces too
+    with pytest.raises(PermissionDenied, match="operators only"):
+        tenant.check_write("pub#x")
+    exact = Principal("e", frozenset(), frozenset({"pub#x"}), shared=shared)
+    with pytest.raises(PermissionDenied, match="operators only"):
+        exact.check_write("pub#x")  # naming a shared namespace's sub-namespace does not help
+    ops.check_write("pub#x")
 
 
 def test_scope_namespace_decodes_once_and_remembers_the_digest() -> None:
