@@ -345,6 +345,16 @@ def test_the_async_and_cluster_clients_send_their_token(
     assert asyncio.run(lookups()) == (5, PermissionDenied)
     with ClusterClient(addresses=[daemon.address], replicas=1, token=TOKENS["engine-a"]) as cc:
         assert cc.lookup(A, keys).hit_count == 5
+        more = chain(A, 7)
+        assert cc.put(A, more).stored == 2  # every call of it carries the token: put,
+        into = [bytearray(A.page_payload_bytes) for _ in more]
+        assert cc.get(A, keys_of(more), into, tokens=tokens_of(more)).hit_count == 7  # get,
+        assert cc.stats().pages == 7  # stats,
+        assert cc.delete(keys=keys_of(more)[5:]) == 2  # and delete
+    other = ClusterClient(addresses=[daemon.address], replicas=1, token=TOKENS["engine-b"])
+    with other, pytest.raises(PermissionDenied):
+        other.put(A, chain(A, 7, seed=60))
+    assert_intact(tenant_a, A, chain(A, 5))
 
 
 def test_the_token_comes_from_the_environment(
