@@ -8,9 +8,10 @@ then prices every worker as computing the whole prompt.
 `find` is what the router awaits. A lookup in one daemon is one short blocking RPC (about 0.1 ms
 on loopback, less than the two thread switches `asyncio.to_thread` adds), so it runs inline on
 the event loop, except where that could stall the loop: the first call (it connects), a
-cluster's lookups (several daemons, membership), and for `degraded_s` after a lookup that failed
-or after `slow_calls` lookups in a row that took longer than `inline_budget_s` each (a store that
-is down or slow; one late call is the machine's scheduling, not the store), which go to a thread.
+cluster's lookups (several daemons, membership), and for `degraded_s` after a lookup that failed,
+one that stalled the loop past `stall_s` (a lost packet's retransmit, a store that hangs), or
+`slow_calls` in a row over `inline_budget_s` each (a slow store; one late call is the machine's
+scheduling, not the store), which go to a thread.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class StoreLookup:
         token: str | None = None,
         inline_budget_s: float = 0.005,
         slow_calls: int = 3,
+        stall_s: float = 0.05,
         degraded_s: float = 10.0,
     ) -> None:
         self.spec = spec
@@ -51,6 +53,7 @@ class StoreLookup:
         self._quiet_until = 0.0
         self.inline_budget_s = inline_budget_s
         self.slow_calls = slow_calls
+        self.stall_s = stall_s
         self.degraded_s = degraded_s
         self._threaded_until = 0.0  # lookups go to a thread until then (monotonic)
         self._slow = 0  # inline lookups in a row over the budget
@@ -74,7 +77,7 @@ class StoreLookup:
         took = time.monotonic() - start
         failed = self.errors != errors
         self._slow = self._slow + 1 if took > self.inline_budget_s else 0
-        if failed or self._slow >= self.slow_calls:
+        if failed or took > self.stall_s or self._slow >= self.slow_calls:
             self._slow = 0
             self._threaded_until = start + took + self.degraded_s
             log.info(

@@ -183,3 +183,66 @@ def test_drifted_predictions_are_logged_once_per_change(caplog: pytest.LogCaptur
     assert sum("TTFT predictions are off" in line for line in lines) == 1
     assert sum("TTFT predictions are back on target" in line for line in lines) == 1
     assert not any("TPOT" in line for line in lines)
+
+
+def test_store_lookup_runs_inline_until_the_store_fails_stalls_or_is_slow() -> None:
+    """`StoreLookup.find`: the first call (it connects) on a thread, then inline on the loop; a
+    failure, one stalled call or three slow ones in a row send lookups to a thread again."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from client import LookupResult, Scope, StoreClient, Unavailable
+    from client.scope import KVLayout
+    from engine.router.lookup import StoreLookup
+
+    class FakeStore(StoreClient):
+        def __init__(self) -> None:  # no connection: answers from here
+            self.delay_s, self.fail, self.on_loop = 0.0, False, []
+
+        def connect(self) -> SimpleNamespace:  # type: ignore[override]
+            return SimpleNamespace(host_id="host-a")
+
+        def lookup(self, scope: object, keys: object) -> LookupResult:  # type: ignore[override]
+            self.on_loop.append(threading.current_thread() is threading.main_thread())
+            if self.fail:
+                raise Unavailable("store down")
+            time.sleep(self.delay_s)  # a slow store, not a wait for work
+            return LookupResult(hit_count=1, tiers=(1,))  # type: ignore[arg-type]
+
+        def close(self) -> None:
+            pass
+
+    scope = Scope("m", "r", "t", "bfloat16", KVLayout(2, 2, 8, 16))
+    lookup = StoreLookup(None, inline_budget_s=0.005, slow_calls=3, stall_s=0.05)
+    store = FakeStore()
+    lookup._client = store
+
+    def find() -> int:
+        return asyncio.run(lookup.find(scope, list(range(32)))).hit_pages
+
+    def reset() -> None:
+        lookup._threaded_until = 0.0
+
+    assert find() == 1 and store.on_loop == [False]  # connects on a thread
+    assert (find(), find()) == (1, 1) and store.on_loop[1:] == [True, True]  # then inline
+    store.fail = True
+    assert find() == 0 and store.on_loop[-1] is True  # a failure is a miss...
+    store.fail = False
+    assert find() == 1 and store.on_loop[-1] is False  # ...and sends lookups to a thread
+    reset()
+    store.delay_s = 0.06
+    find()
+    assert store.on_loop[-1] is True
+    store.delay_s = 0.0
+    find()
+    assert store.on_loop[-1] is False  # one stalled call is enough
+    reset()
+    store.delay_s = 0.01  # slow, not stalled: three in a row
+    for _ in range(3):
+        find()
+    assert store.on_loop[-3:] == [True, True, True]
+    find()
+    assert store.on_loop[-1] is False
+    assert (lookup.inline, lookup.threaded) == (7, 4)
