@@ -18,6 +18,7 @@ drops bad entries, and salvages the headers family when RocksDB reports damage i
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 
+_NAMED_MEMORY = 1 << 16  # scope digests whose namespace record is known to be on disk
 SEGMENT_BYTES = 64 << 20  # payload segment files (smaller when the tier itself is smaller)
 
 
@@ -270,6 +272,9 @@ class SsdTier:
         put_namespace(h, digest, namespace, self._write_opts)
         with self._lock:
             self._named[digest] = namespace
+            if len(self._named) > _NAMED_MEMORY:  # forget the oldest: a repeat only rewrites
+                for old in list(itertools.islice(self._named, len(self._named) // 2)):
+                    del self._named[old]
 
     def write(self, header: PageHeader, payload: Buffer) -> int:
         """Store a page durably (WAL) under `header.key`; mutates. Returns `header.total_bytes`.

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from rocksdict import Options, Rdict
 
+import kvstore.tiers.ssd
 from client.page import HEADER_FIXED_BYTES, PageHeader, make_header
 from client.scope import KVLayout, Scope
 from kvstore.errors import CapacityExhausted, Corrupt, InvalidArgument, Unavailable
@@ -474,3 +475,24 @@ def test_read_into_with_the_known_header_reads_only_the_payload(tier: SsdTier) -
         assert tier.read_into(other.key, memoryview(small), other) is None
     finally:
         dest.close()
+
+
+def test_the_memory_of_recorded_namespaces_is_bounded(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvstore.tiers.ssd, "_NAMED_MEMORY", 4)
+    pages = make_chain(1)
+    tier = SsdTier(db_path, 100 * PAGE_BYTES)
+    try:
+        for i in range(20):
+            tier.name_scope(bytes([i]) * 16, f"ns-{i}")
+        assert len(tier._named) <= 4
+        tier.name_scope(pages[0][0].scope_digest, "tenant-a")
+        tier.write(*pages[0])
+    finally:
+        tier.close()
+    tier = SsdTier(db_path, 100 * PAGE_BYTES)
+    try:  # the records are all on disk; the scan keeps the one with a page
+        assert tier.scan().namespaces == {pages[0][0].scope_digest: "tenant-a"}
+    finally:
+        tier.close()
