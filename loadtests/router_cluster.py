@@ -288,9 +288,12 @@ class RouterCluster:
         if self.netns is not None:
             self.netns.create()
             host, prefix = self.netns.there_ip, self.netns.prefix
-        store = DaemonProcess(
-            self.workdir / "store", dram="256MiB", ssd="256MiB", extra=["--host", host]
-        )
+        # Inside the namespace this cluster created, the daemon listens on the namespace's own
+        # address: nothing outside the veth pair reaches it, so it may run open there.
+        extra = ["--host", host]
+        if self.netns is not None:
+            extra += ["--set", "server.allow_open=true"]
+        store = DaemonProcess(self.workdir / "store", dram="256MiB", ssd="256MiB", extra=extra)
         store.args = [*prefix, *store.args]
         self.store = store.start()
         threads = []
