@@ -155,7 +155,7 @@ def simulate_calibrated(
         requests = generate_requests(workload, rate=lr.target_rate, duration_s=lr.duration_s)
         runs.append(
             simulate(
-                cluster.with_(**cal.terms),  # type: ignore[arg-type]
+                cluster.with_(**cal.terms),
                 workload,
                 TimeModel.load(cal.model_path),
                 requests,
