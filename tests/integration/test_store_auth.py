@@ -381,6 +381,9 @@ def test_the_same_host_path_checks_namespaces_too(
         b.put(A, chain(A, 7, seed=8))
     assert_intact(a, A, chain(A, 5))
     assert daemon.store.stats().pages == 5
+    # its streams and unary calls off the lane (gRPC) carry the token too: stats, watch
+    assert a.stats().pages == 5
+    _prime(a, A, [_Collector(daemon.client(shared_memory=True, token=TOKENS["engine-a"]))])
 
 
 def test_an_open_daemon_stays_on_loopback(tmp_path: Path) -> None:
