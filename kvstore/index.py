@@ -119,6 +119,9 @@ class Index:
         self._digest_bytes: dict[bytes, list[int]] = {}
         self._digest_ns: dict[bytes, str] = {}
         self._ns_digests: dict[str, set[bytes]] = {}
+        # per namespace: payload bytes resident per tier, the sum over its digests (kept as they
+        # change: a namespace of many scopes, a tenant's cache salts, costs no more per put)
+        self._ns_bytes: dict[str, list[int]] = {}
         # tier -> scope digest -> its keys resident in the tier, least recently used first
         # (pinned ones included): a namespace's own eviction order (`scope_candidates`)
         self._scope_lru: dict[Tier, dict[bytes, OrderedDict[bytes, None]]] = {t: {} for t in _TIERS}
@@ -172,23 +175,27 @@ class Index:
         if self._digest_ns.get(scope_digest) == namespace:
             return
         old = self._digest_ns.get(scope_digest)
+        held = self._digest_bytes.get(scope_digest, (0, 0, 0))
         if old is not None:  # a digest names one scope: only a collision could get here
             self._ns_digests[old].discard(scope_digest)
+            self._ns_add(old, held, -1)
         self._digest_ns[scope_digest] = namespace
         self._ns_digests.setdefault(namespace, set()).add(scope_digest)
+        self._ns_add(namespace, held, 1)
+
+    def _ns_add(self, namespace: str, held: Sequence[int], sign: int) -> None:
+        totals = self._ns_bytes.setdefault(namespace, [0, 0, 0])
+        for i, n in enumerate(held):
+            totals[i] += sign * n
 
     def namespace_of(self, scope_digest: bytes) -> str | None:
         """The namespace a scope digest was named under, or None. Read-only."""
         return self._digest_ns.get(scope_digest)
 
     def namespace_bytes(self, namespace: str, tier: Tier) -> int:
-        """Payload bytes of `namespace`'s pages resident in `tier`. Read-only."""
-        total = 0
-        for digest in self._ns_digests.get(namespace, ()):
-            held = self._digest_bytes.get(digest)
-            if held is not None:
-                total += held[tier - 1]
-        return total
+        """Payload bytes of `namespace`'s pages resident in `tier`. Read-only; O(1)."""
+        held = self._ns_bytes.get(namespace)
+        return held[tier - 1] if held is not None else 0
 
     def namespaces(self) -> list[str]:
         """The namespaces named so far that still have pages (or a put naming them)."""
@@ -351,6 +358,7 @@ class Index:
                 named.discard(digest)
                 if not named:
                     del self._ns_digests[namespace]
+                    self._ns_bytes.pop(namespace, None)  # all zero: its pages have left
         siblings = self._children[entry.parent]
         siblings.discard(key)
         if not siblings:
@@ -494,6 +502,9 @@ class Index:
         self._pages[tier] += 1
         self._bytes[tier] += entry.payload_bytes
         self._digest_bytes[entry.scope_digest][tier - 1] += entry.payload_bytes
+        namespace = self._digest_ns.get(entry.scope_digest)
+        if namespace is not None:
+            self._ns_bytes[namespace][tier - 1] += entry.payload_bytes
         lru = self._scope_lru[tier].get(entry.scope_digest)
         if lru is None:
             lru = self._scope_lru[tier][entry.scope_digest] = OrderedDict()
@@ -519,6 +530,9 @@ class Index:
         self._pages[tier] -= 1
         self._bytes[tier] -= entry.payload_bytes
         self._digest_bytes[entry.scope_digest][tier - 1] -= entry.payload_bytes
+        namespace = self._digest_ns.get(entry.scope_digest)
+        if namespace is not None:
+            self._ns_bytes[namespace][tier - 1] -= entry.payload_bytes
         lru = self._scope_lru[tier][entry.scope_digest]
         del lru[entry.key]
         if not lru:
@@ -580,6 +594,16 @@ class Index:
             fail("a namespace is recorded for a scope with no pages")
         if {d for ds in self._ns_digests.values() for d in ds} != set(self._digest_ns):
             fail("namespace -> scopes differs from scope -> namespace")
+        ns_bytes: dict[str, list[int]] = {}
+        for digest, namespace in self._digest_ns.items():
+            totals = ns_bytes.setdefault(namespace, [0, 0, 0])
+            for i, n in enumerate(self._digest_bytes[digest]):
+                totals[i] += n
+        kept = {ns: b for ns, b in self._ns_bytes.items() if any(b)}
+        if {ns: b for ns, b in ns_bytes.items() if any(b)} != kept:
+            fail("per-namespace byte counts differ from their scopes'")
+        if set(self._ns_bytes) - set(self._ns_digests):
+            fail("byte counts are kept for a namespace with no scope")
         if pages != self._pages or nbytes != self._bytes:
             fail(f"tier counts {self._pages}/{self._bytes}, recomputed {pages}/{nbytes}")
         if self._kids_in.keys() != self._entries.keys():

@@ -365,3 +365,32 @@ def test_the_index_counts_bytes_per_namespace_and_orders_its_own_pages() -> None
     assert index.namespace_bytes("tenant-a", StoreTier.DRAM) == 0
     assert index.namespace_of(A.digest) is None and index.namespaces() == ["tenant-b"]
     index.check_integrity()
+
+
+def test_a_namespace_of_many_scopes_keeps_one_running_count_per_tier() -> None:
+    """Pure: a namespace's bytes per tier are kept as its scopes' pages come and go (a tenant's
+    cache salts are many scopes of one namespace: a put's quota check must not sum them all),
+    and check_integrity recomputes them."""
+    index = Index()
+    scopes = [make_scope(f"tenant-a#{i}") for i in range(50)]
+    for i, scope in enumerate(scopes):
+        key = (i + 1).to_bytes(16, "big")
+        if i % 2:  # named before its page arrives, or after: both count
+            index.name_scope(scope.digest, "tenant-a")
+        index.insert(PageEntry(key, scope.digest, scope.digest, b"h", 10, dram=i * 16))
+        index.name_scope(scope.digest, "tenant-a")
+    assert index.namespace_bytes("tenant-a", StoreTier.DRAM) == 500
+    first = (1).to_bytes(16, "big")
+    index.set_residency(first, StoreTier.SSD, True)
+    index.set_residency(first, StoreTier.DRAM, None)
+    assert index.namespace_bytes("tenant-a", StoreTier.DRAM) == 490
+    assert index.namespace_bytes("tenant-a", StoreTier.SSD) == 10
+    index.check_integrity()
+    index._ns_bytes["tenant-a"][1] += 1  # a drifted count is caught
+    with pytest.raises(RuntimeError, match="per-namespace byte counts"):
+        index.check_integrity()
+    index._ns_bytes["tenant-a"][1] -= 1
+    for i in range(50):
+        index.remove((i + 1).to_bytes(16, "big"))
+    assert index.namespace_bytes("tenant-a", StoreTier.DRAM) == 0 and index.namespaces() == []
+    index.check_integrity()
