@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -221,6 +221,9 @@ class RouterMetrics:
         self._tracker = tracker
         self._clock = clock
         self._lock = threading.Lock()
+        # labelled children by (family, label values): a request's ~20 observations look
+        # their child up here instead of through `labels()` (which validates and locks)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._loads: tuple[_LoadSnapshot, ...] = ()
         self._busy: dict[str, deque[tuple[float, float]]] = {}
         self._batch_sampled_at: dict[str, float] = {}
@@ -359,16 +362,16 @@ class RouterMetrics:
         """Count one routing decision (a core Placement or Refusal) for `slo_class`; a refusal
         also counts as a request with outcome "refused". `decide_s`: time spent deciding."""
         if isinstance(decision, Refusal):
-            self.admission_decisions.labels(slo_class, "refused", str(decision.reason)).inc()
-            self.requests.labels(slo_class, "refused").inc()
+            self._child(self.admission_decisions, slo_class, "refused", str(decision.reason)).inc()
+            self._child(self.requests, slo_class, "refused").inc()
         else:
-            self.admission_decisions.labels(slo_class, "admitted", "none").inc()
+            self._child(self.admission_decisions, slo_class, "admitted", "none").inc()
         if decide_s is not None:
             self.decision_seconds.observe(decide_s)
 
     def observe_error(self, kind: str) -> None:
         """Count one request answered with an error of `kind` (the core's ErrorKind value)."""
-        self.errors.labels(str(kind)).inc()
+        self._child(self.errors, str(kind)).inc()
 
     def observe_worker_loads(self, views: Sequence[WorkerView], now: float) -> None:
         """Take the registry's current snapshot (every known worker, healthy or not): it backs
@@ -423,7 +426,7 @@ class RouterMetrics:
         it ended. `expected_hit_tokens`: what the store announced at decision time (hit pages
         times page tokens), to count shortfalls; `bytes_per_token`: page bytes / page tokens, to
         turn hit tokens into pulled bytes (0 = unknown: no bytes counted). Never raises."""
-        self.prefill_seconds.labels(worker).observe(max(0.0, rpc_s))
+        self._child(self.prefill_seconds, worker).observe(max(0.0, rpc_s))
         timings = response.timings
         busy = max(0.0, float(timings.total_s) - float(timings.queue_s))
         with self._lock:
@@ -453,7 +456,7 @@ class RouterMetrics:
     def observe_retry(self, stage: str, reason: str) -> None:
         """A prefill retried on another worker or a decode resumed on another (`stage`), and
         why (e.g. "unavailable", "deadline", "stream_broken")."""
-        self.retries.labels(stage, reason).inc()
+        self._child(self.retries, stage, reason).inc()
 
     def observe_finished(self, done: FinishedRequest, *, now: float) -> None:
         """One placed request that ended: latency histograms of its class, its outcome, output
@@ -461,37 +464,37 @@ class RouterMetrics:
         counts as met), and, for an "ok" request, the prediction errors (predicted - observed)
         / observed, the tracker's convention. Never raises."""
         cls = done.slo_class
-        self.requests.labels(cls, done.outcome).inc()
+        self._child(self.requests, cls, done.outcome).inc()
         for worker, n in done.tokens_by_worker.items():
             if n > 0:
-                self.output_tokens.labels(worker).inc(n)
+                self._child(self.output_tokens, worker).inc(n)
         if done.ttft_s is None:
             return
-        self.ttft_seconds.labels(cls).observe(done.ttft_s)
+        self._child(self.ttft_seconds, cls).observe(done.ttft_s)
         if done.outcome != "ok":
             return
-        self.e2e_seconds.labels(cls).observe(done.e2e_s)
-        self.queue_seconds.labels(cls).observe(max(0.0, done.queue_s))
+        self._child(self.e2e_seconds, cls).observe(done.e2e_s)
+        self._child(self.queue_seconds, cls).observe(max(0.0, done.queue_s))
         tpot = done.tpot_s
         if tpot is not None:
-            self.tpot_seconds.labels(cls).observe(tpot)
-            self.decode_tpot_seconds.labels(done.decode_id).observe(tpot)
+            self._child(self.tpot_seconds, cls).observe(tpot)
+            self._child(self.decode_tpot_seconds, done.decode_id).observe(tpot)
         with self._lock:
             ttft_target, tpot_target = self._slo.get(cls, (float("inf"), float("inf")))
         ttft_ok = done.ttft_s <= ttft_target
         tpot_ok = tpot is None or tpot <= tpot_target
         if ttft_ok:
-            self.slo_met.labels(cls, "ttft").inc()
+            self._child(self.slo_met, cls, "ttft").inc()
         if tpot_ok:
-            self.slo_met.labels(cls, "tpot").inc()
+            self._child(self.slo_met, cls, "tpot").inc()
         if ttft_ok and tpot_ok:
-            self.slo_met.labels(cls, "both").inc()
+            self._child(self.slo_met, cls, "both").inc()
         for kind, predicted, observed in (
             ("ttft", done.predicted_ttft_s, done.ttft_s),
             ("tpot", done.predicted_tpot_s, tpot),
         ):
             if predicted > 0 and observed is not None and observed > 0:
-                self.prediction_relative_error.labels(kind).observe(
+                self._child(self.prediction_relative_error, kind).observe(
                     (predicted - observed) / observed
                 )
 
@@ -512,15 +515,24 @@ class RouterMetrics:
             if n <= 0:
                 continue
             total += n
-            self.hit_tokens.labels(stage, tier).inc(n)
+            self._child(self.hit_tokens, stage, tier).inc(n)
             if bpt > 0:
-                self.kv_pull_bytes.labels(stage, tier).inc(n * bpt)
+                self._child(self.kv_pull_bytes, stage, tier).inc(n * bpt)
         slowest = bounding_tier(hits)
         if slowest is not None:
-            self.kv_pull_seconds.labels(stage, slowest).observe(max(0.0, pull_s))
+            self._child(self.kv_pull_seconds, stage, slowest).observe(max(0.0, pull_s))
         if expected > total:
-            self.kv_pull_failures.labels(stage).inc()
-            self.kv_pull_shortfall_tokens.labels(stage).inc(expected - total)
+            self._child(self.kv_pull_failures, stage).inc()
+            self._child(self.kv_pull_shortfall_tokens, stage).inc(expected - total)
+
+    def _child(self, family: Counter | Histogram, *values: str) -> Any:
+        """`family.labels(*values)`, made once per label set and kept (a family's children
+        are never removed here, so a kept child is the one `labels()` would return)."""
+        key = (id(family), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*values)
+        return child
 
     def _prune(self, q: deque[tuple[float, float]], now: float) -> None:
         while q and q[0][0] < now - self._window_s:
