@@ -92,15 +92,22 @@ class WorkerHandle:
         return Role(self.description.role) if self.description is not None else None
 
     # The generated stubs are typed for blocking channels; over a grpc.aio channel their calls
-    # return awaitables and async iterators, hence Any.
+    # return awaitables and async iterators, hence Any. Each is built once per handle (one per
+    # channel: a new channel is a new handle), not on every RPC.
     def worker_stub(self) -> Any:
-        return engine_pb2_grpc.WorkerStub(self.channel)
+        return self._stub("worker", engine_pb2_grpc.WorkerStub)
 
     def prefill_stub(self) -> Any:
-        return engine_pb2_grpc.PrefillStub(self.channel)
+        return self._stub("prefill", engine_pb2_grpc.PrefillStub)
 
     def decode_stub(self) -> Any:
-        return engine_pb2_grpc.DecodeStub(self.channel)
+        return self._stub("decode", engine_pb2_grpc.DecodeStub)
+
+    def _stub(self, kind: str, make: Callable[[grpc.aio.Channel], object]) -> Any:
+        stub = self.stubs.get(kind)
+        if stub is None:
+            stub = self.stubs[kind] = make(self.channel)
+        return stub
 
 
 class Registry:
