@@ -185,6 +185,61 @@ def test_drifted_predictions_are_logged_once_per_change(caplog: pytest.LogCaptur
     assert not any("TPOT" in line for line in lines)
 
 
+def test_a_drift_check_soon_after_the_last_is_deferred_not_lost(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests that end within DRIFT_CHECK_S of the last check skip it; one deferred check on
+    the loop still logs a change when no further request comes."""
+    import asyncio
+    import logging
+
+    from engine.router import dispatch as dispatch_mod
+    from engine.router.core.admission import Admission
+    from engine.router.core.policies import build_policy
+    from engine.router.core.prediction import PredictionTracker
+    from engine.router.core.router import RouterCore
+    from engine.router.core.timemodel import DecodeCoeffs, PrefillCoeffs, TimeModel
+    from engine.router.dispatch import Dispatcher
+    from engine.router.lookup import StoreLookup
+    from engine.router.registry import Registry
+
+    monkeypatch.setattr(dispatch_mod, "DRIFT_CHECK_S", 0.05)
+    model = TimeModel(PrefillCoeffs(0.01, 0, 0, 0), DecodeCoeffs(0.01, 0, 0))
+    tracker = PredictionTracker(min_samples=3)
+    core = RouterCore(build_policy("round_robin"), Admission(), model, tracker=tracker)
+    now = [0.0]
+    dispatcher = Dispatcher(Registry(), StoreLookup(None), core, clock=lambda: now[0])
+    fired: list[float] = []
+    done = asyncio.Event()
+    deferred = dispatcher._deferred_drift_check
+
+    def counted() -> None:
+        fired.append(now[0])
+        deferred()
+        done.set()
+
+    dispatcher._deferred_drift_check = counted  # type: ignore[method-assign]
+
+    def off_lines() -> int:
+        return sum("TTFT predictions are off" in r.getMessage() for r in caplog.records)
+
+    async def run() -> None:
+        tracker.record("ttft", 0.1, 0.3, now=0.0)
+        tracker.record("ttft", 0.1, 0.3, now=0.0)
+        dispatcher._check_drift(0.0)  # checked: too few pairs, no drift
+        tracker.record("ttft", 0.1, 0.3, now=0.01)  # now drifted
+        dispatcher._check_drift(0.01)  # too soon: deferred
+        dispatcher._check_drift(0.02)  # too soon, one deferred check already pending
+        assert off_lines() == 0
+        now[0] = 0.06
+        await asyncio.wait_for(done.wait(), 10)  # due 40 ms after the deferral
+
+    with caplog.at_level(logging.INFO, logger="engine.router.dispatch"):
+        asyncio.run(run())
+    assert fired == [0.06]
+    assert off_lines() == 1
+
+
 def test_store_lookup_runs_inline_until_the_store_fails_stalls_or_is_slow() -> None:
     """`StoreLookup.find`: the first call (it connects) on a thread, then inline on the loop; a
     failure, one stalled call or three slow ones in a row send lookups to a thread again."""
