@@ -142,6 +142,17 @@ def test_chat_template_of_the_preset(tiny_checkpoint: Path) -> None:
     assert apart.render_chat("m", messages) == "x"
 
 
+def test_encode_gives_the_tokenizers_own_ids(tiny_checkpoint: Path) -> None:
+    """`ModelText.encode` (the offset-free fast path) gives exactly `Tokenizer.encode`'s ids,
+    special tokens or not, for text with spaces, newlines and multi-byte characters."""
+    text = ModelText.from_dir(tiny_checkpoint)
+    for s in ("", "hello world", "  two  spaces\n\tand tabs", "héllo ✓ 日本語 " * 20):
+        for special in (True, False):
+            want = list(text.inner.encode(s, add_special_tokens=special).ids)
+            assert text.encode(s, add_special_tokens=special) == want
+    assert text.encode("hello world") != text.encode("hello world", add_special_tokens=False)
+
+
 def test_the_shell_never_loads_torch() -> None:
     code = (
         "import sys\n"
