@@ -8,7 +8,9 @@ the workers it then routes to, the way a profile is measured: on the workers' ow
   compute + sample (queue, lookup and publishing are not the model's prefill term);
 - pull: the second prefill's `pull_s` for its hit pages (DRAM, same host);
 - decode: `batch` concurrent Decode streams with `context` tokens of prompt each; the step time
-  is the median gap between consecutive tokens of one stream once all streams run.
+  is one stream's time per token while all streams run (its span over its tokens: a worker's
+  stream delivers tokens in bursts, so single gaps are mostly ~0 with a long one now and then,
+  and their median is not a step).
 
 Each point is measured `reps` times and its median kept. Fitted by `TimeModel.fit`.
 """
@@ -114,7 +116,7 @@ def calibrate(
 def _decode_step(
     stub: DecodeStub, seed: int, batch: int, context: int, steps: int, vocab: int
 ) -> float:
-    """Median inter-token gap of the middle stream while `batch` streams decode together."""
+    """The first stream's time per token while `batch` streams decode together."""
     times: list[list[float]] = [[] for _ in range(batch)]
     errors: list[BaseException] = []
 
@@ -139,7 +141,9 @@ def _decode_step(
     # Gaps while every stream was running: between the last first-token and the first last-token.
     start = max(ts[0] for ts in times)
     end = min(ts[-1] for ts in times)
-    mine = [b - a for a, b in zip(times[0], times[0][1:], strict=False) if a >= start and b <= end]
-    if not mine:
-        mine = [b - a for a, b in zip(times[0], times[0][1:], strict=False)]
-    return statistics.median(mine)
+    mine = [t for t in times[0] if start <= t <= end]
+    if len(mine) < 3:
+        mine = times[0]
+    if len(mine) < 2:
+        raise RuntimeError("decode calibration: a stream gave fewer than two tokens")
+    return (mine[-1] - mine[0]) / (len(mine) - 1)
