@@ -29,7 +29,8 @@ pytestmark = pytest.mark.unit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-GRPC_ALLOWED = ("kvstore.service", "kvstore.server", "kvstore.lane", "kvstore.cli")
+# The daemon's edge: the servicer, the process, the lane, the CLI and the TLS credentials it serves with.
+GRPC_ALLOWED = ("kvstore.service", "kvstore.server", "kvstore.lane", "kvstore.cli", "kvstore.tls")
 ENGINE_WIRE = ("kvstore_pb.engine_pb2", "kvstore_pb.engine_pb2_grpc")
 TORCH_ALLOWED = ("kvstore.tiers.gpu",)
 CLIENT_FORBIDDEN = ("torch", "triton", "numpy")
