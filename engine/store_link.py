@@ -142,7 +142,7 @@ class StoreLink:
                 return [pool.page_bytes_view(p) for p in pages[:count]]
             return [bytearray(pool.page_payload_bytes) for _ in range(count)]
 
-        got = self._fetch(scope, token_ids, keys, pool.page_payload_bytes, io_class, buffers)
+        got = self._fetch(scope, token_ids, keys, io_class, buffers)
         for i in range(got.served):
             if i >= got.result.pages:
                 pool.tensor[pages[i]].zero_()  # a partial or rejected copy must not linger
@@ -164,7 +164,6 @@ class StoreLink:
             scope,
             token_ids,
             keys,
-            page_payload_bytes,
             io_class,
             lambda count: [bytearray(page_payload_bytes) for _ in range(count)],
         )
@@ -175,7 +174,6 @@ class StoreLink:
         scope: Scope,
         token_ids: Sequence[int],
         keys: Sequence[bytes],
-        page_payload_bytes: int,
         io_class: IoClass,
         buffers: Callable[[int], list[WritableBuffer]],
     ) -> _Got:
