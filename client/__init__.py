@@ -6,8 +6,10 @@ Engines import only what this module exports (DESIGN §2).
 from __future__ import annotations
 
 from client.async_client import AsyncStoreClient
-from client.cluster_client import ClusterClient, ClusterStats, NodeStats
-from client.errors import (
+from client.cluster.cluster_client import ClusterClient, ClusterStats, NodeStats
+from client.cluster.etcd import EtcdClient, EtcdUnavailable
+from client.cluster.placement import rank
+from client.contract.errors import (
     CapacityExhausted,
     Corrupt,
     DeadlineExceeded,
@@ -18,13 +20,9 @@ from client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from client.etcd import EtcdClient, EtcdUnavailable
-from client.hostid import host_id
-from client.page import PageHeader, decode_page, encode_page, make_header
-from client.placement import rank
-from client.scope import KEY_BYTES, KVLayout, Scope, Shard, chain_key, page_keys
-from client.store_client import StoreClient
-from client.types import (
+from client.contract.page import PageHeader, decode_page, encode_page, make_header
+from client.contract.scope import KEY_BYTES, KVLayout, Scope, Shard, chain_key, page_keys
+from client.contract.types import (
     Event,
     EventKind,
     GetResult,
@@ -44,6 +42,8 @@ from client.types import (
     build_pages,
     page_tokens,
 )
+from client.store_client import StoreClient
+from client.transports.hostid import host_id
 
 __all__ = [
     "KEY_BYTES",

@@ -1,8 +1,8 @@
 """`AsyncStoreClient`: the asyncio (grpc.aio) twin of `StoreClient` (DESIGN §6).
 
 Same methods, same arguments, same typed results and errors, awaited. See client/store_client.py
-for the data paths, deadlines and retries; the logic both share lives in client/_wire.py and
-client/shm.py. Lease releases after a same-host get are background tasks, so a get costs one
+for the data paths, deadlines and retries; the logic both share lives in client/transports/_wire.py and
+client/transports/shm.py. Lease releases after a same-host get are background tasks, so a get costs one
 round trip; `close()` waits briefly for the outstanding ones.
 """
 
@@ -19,7 +19,26 @@ from typing import TYPE_CHECKING, Literal, TypeVar, cast
 import grpc
 import grpc.aio
 
-from client._wire import (
+from client.contract.errors import InvalidArgument, StrataError, Unavailable
+from client.contract.page import PageHeader
+from client.contract.scope import KEY_BYTES, Scope
+from client.contract.types import (
+    Event,
+    GetResult,
+    IoClass,
+    LookupResult,
+    NodeInfo,
+    Page,
+    PutResult,
+    PutStatus,
+    StoreStats,
+    Tier,
+    WritableBuffer,
+    checked_tokens,
+    match_tokens,
+    tokens_le,
+)
+from client.transports._wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GET_METHOD,
     PUT_METHOD,
@@ -49,33 +68,14 @@ from client._wire import (
     stats_from_proto,
     tune_malloc,
 )
-from client.errors import InvalidArgument, StrataError, Unavailable
-from client.page import PageHeader
-from client.scope import KEY_BYTES, Scope
-from client.shm import (
+from client.transports.shm import (
     SegmentMap,
     map_node_segments,
     read_acquired,
     segments_current,
     write_reserved,
 )
-from client.tls import TlsOptions, open_aio_channel, open_channel, resolve_tls
-from client.types import (
-    Event,
-    GetResult,
-    IoClass,
-    LookupResult,
-    NodeInfo,
-    Page,
-    PutResult,
-    PutStatus,
-    StoreStats,
-    Tier,
-    WritableBuffer,
-    checked_tokens,
-    match_tokens,
-    tokens_le,
-)
+from client.transports.tls import TlsOptions, open_aio_channel, open_channel, resolve_tls
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
 

@@ -7,10 +7,10 @@ the daemon runs on this host, else chunked gRPC streams. Both give the same resu
 Every call has a deadline (`timeout_s`, shared by all attempts of the call); only idempotent calls
 are retried (NodeInfo, Lookup, Get, Acquire, Release, Delete, Stats), with jittered backoff. A miss
 is a result; a page that fails verification is a miss too, counted in `corrupt_pages`. Errors are
-the typed ones of `client.errors`.
+the typed ones of `client.contract.errors`.
 
 Thread-safe: one client may serve many threads. gevent (locust): in a monkey-patched process call
-`client.gevent_support.init()` (which runs `grpc.experimental.gevent.init_gevent()` once) after
+`client.transports.gevent_support.init()` (which runs `grpc.experimental.gevent.init_gevent()` once) after
 patching and before creating any client; gRPC then cooperates with the gevent hub.
 """
 
@@ -28,7 +28,26 @@ from typing import Literal, Protocol, TypeVar, cast
 
 import grpc
 
-from client._wire import (
+from client.contract.errors import InvalidArgument, StrataError, Unavailable
+from client.contract.page import PageHeader
+from client.contract.scope import KEY_BYTES, Scope
+from client.contract.types import (
+    Event,
+    GetResult,
+    IoClass,
+    LookupResult,
+    NodeInfo,
+    Page,
+    PutResult,
+    PutStatus,
+    StoreStats,
+    Tier,
+    WritableBuffer,
+    checked_tokens,
+    match_tokens,
+    tokens_le,
+)
+from client.transports._wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     GET_METHOD,
     PUT_METHOD,
@@ -59,13 +78,10 @@ from client._wire import (
     tune_malloc,
     with_token,
 )
-from client.errors import InvalidArgument, StrataError, Unavailable
-from client.hostid import host_id
-from client.lane import Lane, LaneCall, LaneError, LaneStub
-from client.lane_protocol import SCHEME as LANE_SCHEME
-from client.page import PageHeader
-from client.scope import KEY_BYTES, Scope
-from client.shm import (
+from client.transports.hostid import host_id
+from client.transports.lane import Lane, LaneCall, LaneError, LaneStub
+from client.transports.lane_protocol import SCHEME as LANE_SCHEME
+from client.transports.shm import (
     SegmentMap,
     map_handed_segments,
     map_node_segments,
@@ -73,25 +89,9 @@ from client.shm import (
     segments_current,
     write_reserved,
 )
-from client.tls import TlsOptions, open_channel, resolve_tls
-from client.types import (
-    Event,
-    GetResult,
-    IoClass,
-    LookupResult,
-    NodeInfo,
-    Page,
-    PutResult,
-    PutStatus,
-    StoreStats,
-    Tier,
-    WritableBuffer,
-    checked_tokens,
-    match_tokens,
-    tokens_le,
-)
-from client.ucx_protocol import TCP_SCHEME
-from client.ucx_transport import TransportFailed, UcxLink, UcxTransport
+from client.transports.tls import TlsOptions, open_channel, resolve_tls
+from client.transports.ucx_protocol import TCP_SCHEME
+from client.transports.ucx_transport import TransportFailed, UcxLink, UcxTransport
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
 
@@ -144,7 +144,7 @@ class StoreClient:
     data path, else UCX, else gRPC streams (the choice is said once in the log, as is a fall back
     to gRPC after a transport failure).
 
-    `tls` (client/tls.py): TlsOptions (CA file, client certificate and key), True (system CAs),
+    `tls` (client/transports/tls.py): TlsOptions (CA file, client certificate and key), True (system CAs),
     False (plaintext), None (the STRATA_STORE_TLS_* environment; plaintext when unset). With TLS
     gRPC and the TCP data path are encrypted and UCX is never used; nothing falls back to
     plaintext.

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from client.scope import Scope, base_namespace
+from client.contract.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from client.contract.scope import Scope, base_namespace
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Principal:
     Authenticator fills it from `auth.shared_namespaces`). `delete` allows deleting (by scope or
     by key) in the namespaces the principal may write. Operators may also read every namespace's
     Watch events. `trusted_local` principals may use the same-host path. A right on a
-    namespace covers its sub-namespaces, "<namespace>#..." (`client.scope.base_namespace`: the
+    namespace covers its sub-namespaces, "<namespace>#..." (`client.contract.scope.base_namespace`: the
     router's cache_salt pages); a sub-namespace of a shared namespace is shared.
     """
 
@@ -78,7 +78,7 @@ class Principal:
     shared: frozenset[str] = field(default=frozenset())
 
     def may_read(self, namespace: str) -> bool:
-        """A right on a namespace covers its sub-namespaces (`client.scope.base_namespace`)."""
+        """A right on a namespace covers its sub-namespaces (`client.contract.scope.base_namespace`)."""
         base = base_namespace(namespace)
         return (
             ALL in self.read

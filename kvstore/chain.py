@@ -1,7 +1,7 @@
 """Key-chain verification on put: no client plants a page under a key it could not have computed.
 
-A page's key is `chain_key(parent, tokens)` (client/scope.py), and the chain of a scope starts at
-its digest. The header checks the daemon already runs on every put (`client.page.quick_check`,
+A page's key is `chain_key(parent, tokens)` (client/contract/scope.py), and the chain of a scope starts at
+its digest. The header checks the daemon already runs on every put (`client.contract.page.quick_check`,
 `PageHeader.validate_for`) establish the first half: the key is the hash of the header's parent
 and token ids. This module establishes the second: the parent is a key of *the same scope*. A
 page is accepted when its parent is
@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from client.scope import key_digest
+from client.contract.scope import key_digest
 from kvstore.errors import InvalidArgument
 
 __all__ = [

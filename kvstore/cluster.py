@@ -1,7 +1,7 @@
 """The daemon's cluster membership: a leased key in etcd, kept alive from a thread (DESIGN §7).
 
 `Registration.start()` grants a lease, writes `/strata/<cluster>/members/<node_id>` (a
-`client.membership.Member`) attached to it, and starts a thread that refreshes the lease every
+`client.cluster.membership.Member`) attached to it, and starts a thread that refreshes the lease every
 third of its TTL. `stop()` revokes the lease, so a clean stop leaves the member set at once; a
 crash leaves it when the lease runs out.
 
@@ -9,8 +9,8 @@ etcd being unreachable never stops the daemon from serving: the registration mar
 `stale` (exported as `strata_cluster_membership_stale`), logs it once, and keeps retrying; when
 etcd answers again it re-registers (with a new lease if the old one ran out meanwhile).
 
-The etcd client and the member record are the SDK's shared definitions (`client.etcd`,
-`client.membership`), so the daemon and the cluster client read and write the same format.
+The etcd client and the member record are the SDK's shared definitions (`client.cluster.etcd`,
+`client.cluster.membership`), so the daemon and the cluster client read and write the same format.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from client.etcd import EtcdClient, EtcdUnavailable
-from client.membership import Member, member_key
+from client.cluster.etcd import EtcdClient, EtcdUnavailable
+from client.cluster.membership import Member, member_key
 from kvstore.config import ClusterConfig
 
 log = logging.getLogger(__name__)

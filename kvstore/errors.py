@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client.errors import (
+from client.contract.errors import (
     CapacityExhausted,
     Corrupt,
     DeadlineExceeded,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from client.scope import KEY_BYTES
+from client.contract.scope import KEY_BYTES
 from kvstore.errors import InvalidArgument
 
 __all__ = ["KEY_BYTES", "IoClass", "Tier", "io_class_from_wire", "tier_from_wire"]

@@ -1,4 +1,4 @@
-"""The daemon's end of the same-host control lane (framing in client/lane_protocol.py).
+"""The daemon's end of the same-host control lane (framing in client/transports/lane_protocol.py).
 
 One thread accepts connections on a unix socket; one thread per connection reads request
 frames and dispatches them to the very same StoreService handlers as gRPC does, through a small
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 import grpc
 from google.protobuf.message import Message
 
-from client.errors import Unauthenticated
-from client.lane_protocol import (
+from client.contract.errors import Unauthenticated
+from client.transports.lane_protocol import (
     HELLO,
     METHOD_IDS,
     METHODS,

@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from client.page import PageHeader
+from client.contract.page import PageHeader
 from kvstore.config import DramConfig
 from kvstore.errors import CapacityExhausted, StrataError
 from kvstore.index import PageEntry

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from client.hostid import host_id
-from client.lane_protocol import SCHEME
-from client.membership import Member, TierCapacity
+from client.cluster.membership import Member, TierCapacity
+from client.transports.hostid import host_id
+from client.transports.lane_protocol import SCHEME
 from kvstore.auth import Authenticator
 from kvstore.cluster import Registration
 from kvstore.config import StoreConfig, format_size

@@ -15,16 +15,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from client._wire import (
-    TAG_GET_CHUNK,
-    TAG_PUT_CHUNK,
-    ChunkView,
-    chunk_message,
-    decode_chunk_message,
-    raw_bytes,
-    tune_malloc,
-)
-from client.errors import (
+from client.contract.errors import (
     CapacityExhausted,
     Corrupt,
     DeadlineExceeded,
@@ -35,8 +26,17 @@ from client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from client.page import PageHeader
-from client.scope import KEY_BYTES, Scope, unpack_keys
+from client.contract.page import PageHeader
+from client.contract.scope import KEY_BYTES, Scope, unpack_keys
+from client.transports._wire import (
+    TAG_GET_CHUNK,
+    TAG_PUT_CHUNK,
+    ChunkView,
+    chunk_message,
+    decode_chunk_message,
+    raw_bytes,
+    tune_malloc,
+)
 from kvstore.auth import ALL, OPEN, Authenticator, Principal, bearer_token
 from kvstore.chain import ChainRejected
 from kvstore.fence import probe_holder
@@ -870,7 +870,7 @@ _HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any,
 def add_to_server(service: StoreService, server: grpc.Server) -> None:
     """Register `service` on `server` like `store_pb2_grpc.add_StoreServicer_to_server`, except
     that the bulk messages of Put and Get bypass the generated classes: PutRequest chunks are
-    decoded in place and GetResponses are encoded by hand (client/_wire.py), each payload copied
+    decoded in place and GetResponses are encoded by hand (client/transports/_wire.py), each payload copied
     once. The bytes on the wire are the same protobuf."""
     descriptor = store_pb2.DESCRIPTOR.services_by_name["Store"]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}

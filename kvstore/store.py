@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from client.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
-from client.scope import KEY_BYTES, Scope, base_namespace
+from client.contract.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
+from client.contract.scope import KEY_BYTES, Scope, base_namespace
 from kvstore.chain import ChainRejected, first_unverified, prefix_keys
 from kvstore.config import StoreConfig
 from kvstore.errors import (

@@ -19,7 +19,7 @@ from kvstore.config import TlsConfig
 from kvstore.errors import InvalidArgument
 
 # The first byte of a TLS connection (a handshake record); a plaintext data-path connection
-# starts with the framing's magic (client/ucx_protocol.py), whose first byte is 0x55.
+# starts with the framing's magic (client/transports/ucx_protocol.py), whose first byte is 0x55.
 TLS_HANDSHAKE_BYTE = 0x16
 
 

@@ -1,8 +1,8 @@
-"""The daemon's end of the bulk data paths, UCX and TCP (framing in client/ucx_protocol.py).
+"""The daemon's end of the bulk data paths, UCX and TCP (framing in client/transports/ucx_protocol.py).
 
-A ucxx listener and a TCP listener on the process's bulk loop (client/ucx_runtime.py); both
+A ucxx listener and a TCP listener on the process's bulk loop (client/transports/ucx_runtime.py); both
 kinds of connection are served by the same code (a TCP socket behaves as a ucxx endpoint,
-client/tcp_endpoint.py). Each connected endpoint is served
+client/transports/tcp_endpoint.py). Each connected endpoint is served
 one request at a time: a get acquires its pages, sends them straight from their DRAM slots and
 releases them; a put reserves DRAM slots, receives each payload straight into its slot, verifies
 every checksum (a network receive), then commits — or aborts and stores nothing. Typed errors go
@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from client.errors import (
+from client.contract.errors import (
     Corrupt,
     InvalidArgument,
     PermissionDenied,
@@ -38,10 +38,15 @@ from client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from client.page import PageHeader
-from client.scope import KEY_BYTES, unpack_keys
-from client.tcp_endpoint import TLS_HANDSHAKE_TIMEOUT_S, ByteStream, SocketEndpoint, accept_tls
-from client.ucx_protocol import (
+from client.contract.page import PageHeader
+from client.contract.scope import KEY_BYTES, unpack_keys
+from client.transports.tcp_endpoint import (
+    TLS_HANDSHAKE_TIMEOUT_S,
+    ByteStream,
+    SocketEndpoint,
+    accept_tls,
+)
+from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
     KIND_GET,
@@ -63,7 +68,7 @@ from client.ucx_protocol import (
     preamble,
     settle,
 )
-from client.ucx_runtime import bulk_loop, ucx_runtime
+from client.transports.ucx_runtime import bulk_loop, ucx_runtime
 from kvstore.auth import OPEN, Authenticator, Principal
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
@@ -237,7 +242,7 @@ class BulkServer:
 
     def stop(self) -> None:
         """Close the listeners and every connection (their leases are released). The process's
-        bulk loop itself lives on (client/ucx_runtime.py)."""
+        bulk loop itself lives on (client/transports/ucx_runtime.py)."""
         loop, self._loop = self._loop, None
         if loop is None:
             return

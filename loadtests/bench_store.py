@@ -51,7 +51,7 @@ from client import (
     page_keys,
     page_tokens,
 )
-from client.types import Tier
+from client.contract.types import Tier
 from loadtests.daemon import DaemonProcess
 from loadtests.peers import mooncake
 

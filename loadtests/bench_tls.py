@@ -26,7 +26,7 @@ from functools import partial
 from pathlib import Path
 
 from client import KVLayout, Page, Scope, StoreClient, build_pages, page_tokens
-from client.tls import TlsOptions
+from client.transports.tls import TlsOptions
 from loadtests.daemon import DaemonProcess
 
 # head_dim 64, 2 KV heads, 16 tokens, fp16: 8 KiB per layer; 8 layers = 64 KiB, 128 = 1 MiB

@@ -1,7 +1,7 @@
 """Workers registered in etcd: the leased key a worker writes, and the router's watch of them.
 
 A worker given `--etcd` registers under `/strata/<cluster>/workers/<address>` with a lease it
-keeps alive from a thread (`WorkerRegistration`, the daemon's own way: client.membership); the
+keeps alive from a thread (`WorkerRegistration`, the daemon's own way: client.cluster.membership); the
 value is a small JSON record (address, role, model). A clean stop revokes the lease, a crash
 lets it run out, so the key set is the set of live workers. The router's `WorkerWatch` reads the
 prefix every `period_s` and makes the registry's etcd-sourced workers that set (the registry's

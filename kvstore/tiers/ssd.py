@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rocksdict import Rdict, ReadOptions, WriteBatch, WriteOptions
 
-from client.page import PageHeader
+from client.contract.page import PageHeader
 from kvstore.errors import CapacityExhausted, Corrupt, InvalidArgument, Unavailable
 from kvstore.keys import KEY_BYTES
 from kvstore.tiers.faults import NO_FAULTS, SsdFaults

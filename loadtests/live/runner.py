@@ -482,7 +482,7 @@ def _run_store(args: argparse.Namespace, spec, rate: float | None) -> int:
     import gevent
     from locust.env import Environment
 
-    from client import gevent_support
+    from client.transports import gevent_support
     from loadtests.live.grpc_user import StoreLoad, instrumented_client, load_scope
     from loadtests.live.openloop import OpenLoop
     from loadtests.workload import generate_requests

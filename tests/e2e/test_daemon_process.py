@@ -145,7 +145,7 @@ from gevent import monkey
 monkey.patch_all()
 import random, sys
 sys.path.insert(0, {str(REPO)!r})
-from client import gevent_support
+from client.transports import gevent_support
 gevent_support.init()
 import gevent
 from client import KVLayout, Scope, StoreClient, build_pages

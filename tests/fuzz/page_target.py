@@ -24,9 +24,9 @@ from pathlib import Path
 import atheris
 import xxhash
 
-with atheris.instrument_imports(include=["client.page", "client.scope"]):
-    from client.errors import Corrupt, InvalidArgument
-    from client.page import (
+with atheris.instrument_imports(include=["client.contract.page", "client.contract.scope"]):
+    from client.contract.errors import Corrupt, InvalidArgument
+    from client.contract.page import (
         PageHeader,
         decode_page,
         encode_page,
@@ -34,7 +34,7 @@ with atheris.instrument_imports(include=["client.page", "client.scope"]):
         make_header,
         quick_check,
     )
-    from client.scope import KVLayout, Scope, chain_key
+    from client.contract.scope import KVLayout, Scope, chain_key
 
 SCOPE = Scope(
     model_id="fuzz",

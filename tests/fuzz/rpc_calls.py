@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.errors import Corrupt, InvalidArgument
-from client.page import PageHeader
-from client.scope import KEY_BYTES, Scope, chain_key
+from client.contract.errors import Corrupt, InvalidArgument
+from client.contract.page import PageHeader
+from client.contract.scope import KEY_BYTES, Scope, chain_key
 from kvstore_pb import store_pb2 as pb
 
 SERVICE = "/strata.store.v1.Store/"

@@ -27,8 +27,8 @@ import xxhash
 from fuzz.rpc_calls import Call
 from hypothesis import strategies as st
 
-from client.page import PageHeader, make_header
-from client.scope import KEY_BYTES, KVLayout, Scope
+from client.contract.page import PageHeader, make_header
+from client.contract.scope import KEY_BYTES, KVLayout, Scope
 from kvstore_pb import store_pb2 as pb
 
 FUZZ_SCOPE = Scope(

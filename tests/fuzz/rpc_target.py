@@ -14,7 +14,7 @@ client would reach it:
 - `lane`: one frame on the same-host lane's unix socket: byte 0 the method id (0 = HELLO), byte
   1 the flags (bit 7: the frame announces the u32 of bytes 2-5 as its length instead of the
   truth; bit 6, with auth: a valid HELLO first), the rest the payload.
-- `tcp`: one frame of the TCP data path (client/ucx_protocol.py): byte 0 the kind, byte 1 flags
+- `tcp`: one frame of the TCP data path (client/transports/ucx_protocol.py): byte 0 the kind, byte 1 flags
   (bit 0: a foreign magic, bit 1: announce the u32 of bytes 6-9 as meta length, bit 2, with
   auth: a valid HELLO first), bytes 2-5 aux,
   bytes 10-11 the meta length (capped by what is left), then the meta, then payload bytes sent
@@ -52,7 +52,7 @@ import grpc
 # reach). Instrumented: what parses and checks requests (service, lane, bulk server, store,
 # index, leases, auth, chain, the codecs).
 import client.async_client
-import client.cluster_client  # noqa: F401
+import client.cluster.cluster_client  # noqa: F401
 import kvstore.config
 import kvstore.metrics
 import kvstore.mover
@@ -62,10 +62,10 @@ import kvstore.tiers.ssd  # noqa: F401
 
 with atheris.instrument_imports(include=["kvstore", "client"]):
     from client import StoreClient, build_pages
-    from client.lane_protocol import METHOD_IDS, REQUEST, RESPONSE
-    from client.page import HEADER_FIXED_BYTES
-    from client.scope import chain_key
-    from client.ucx_protocol import (
+    from client.contract.page import HEADER_FIXED_BYTES
+    from client.contract.scope import chain_key
+    from client.transports.lane_protocol import METHOD_IDS, REQUEST, RESPONSE
+    from client.transports.ucx_protocol import (
         KIND_DONE,
         KIND_ERROR,
         KIND_GET,
@@ -109,9 +109,9 @@ CLEAN_CODES = {0} | {code.value[0] for code in (grpc.StatusCode.INVALID_ARGUMENT
     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)}  # fmt: skip
-TCP_INTERNAL = 7  # client/ucx_protocol.py: the ERROR code of an exception that is not typed
+TCP_INTERNAL = 7  # client/transports/ucx_protocol.py: the ERROR code of an exception that is not typed
 _HEADER_FIXED = HEADER_FIXED_BYTES
-_KEY, _PARENT = 28, 44  # offsets of the key and the parent in a page header (client/page.py)
+_KEY, _PARENT = 28, 44  # offsets of the key and the parent in a page header (client/contract/page.py)
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 

@@ -363,7 +363,7 @@ def test_malformed_frames_on_the_same_host_lane(victim: Victim) -> None:
     import socket
     import struct
 
-    from client.lane_protocol import METHOD_IDS, REQUEST, RESPONSE, SCHEME
+    from client.transports.lane_protocol import METHOD_IDS, REQUEST, RESPONSE, SCHEME
 
     v = victim
     local = v.d.info.local_address

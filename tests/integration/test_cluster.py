@@ -17,8 +17,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClusterClient, PutStatus, Scope
-from client.etcd import EtcdClient
-from client.membership import Member, member_key, members_prefix
+from client.cluster.etcd import EtcdClient
+from client.cluster.membership import Member, member_key, members_prefix
 from kvstore.server import CLUSTER_SERVICE_NAME
 from loadtests.daemon import DaemonProcess, wait_for
 from loadtests.etcd import EtcdProcess

@@ -27,7 +27,7 @@ from client import (
     make_header,
     page_keys,
 )
-from client.types import checked_tokens, match_tokens
+from client.contract.types import checked_tokens, match_tokens
 from engine.checkpoint import load_checkpoint, make_scope
 from engine.decode import DecodeWorker
 from engine.prefill import PrefillWorker

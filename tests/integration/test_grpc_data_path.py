@@ -17,7 +17,7 @@ import pytest
 from conftest import buffers, chain, keys_of, make_scope, tokens_of
 
 from client import Page, PutStatus, StoreClient
-from client.errors import Corrupt
+from client.contract.errors import Corrupt
 from kvstore.config import load_config
 from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store

@@ -26,17 +26,17 @@ import grpc
 import pytest
 
 from client import Page, Scope, StoreClient, build_pages
-from client.errors import (
+from client.contract.errors import (
     CapacityExhausted,
     InvalidArgument,
     PermissionDenied,
     Unauthenticated,
     Unavailable,
 )
-from client.page import PageHeader, payload_checksum
-from client.scope import KVLayout, chain_key
-from client.tls import TlsOptions
-from client.ucx_protocol import KIND_GET, PREAMBLE, parse_address, preamble
+from client.contract.page import PageHeader, payload_checksum
+from client.contract.scope import KVLayout, chain_key
+from client.transports.tls import TlsOptions
+from client.transports.ucx_protocol import KIND_GET, PREAMBLE, parse_address, preamble
 from kvstore.auth import hash_token
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub

@@ -32,10 +32,10 @@ from conftest import (
 
 import kvstore.auth
 from client import AsyncStoreClient, ClusterClient, Scope, StoreClient
-from client._wire import scope_bytes
-from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from client.lane import Lane, LaneError, LaneStub
-from client.types import Event, EventKind, IoClass, Tier
+from client.contract.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from client.contract.types import Event, EventKind, IoClass, Tier
+from client.transports._wire import scope_bytes
+from client.transports.lane import Lane, LaneError, LaneStub
 from engine.router.lookup import StoreLookup
 from engine.store_spec import parse_store
 from engine.worker_config import load_worker_config

@@ -40,7 +40,7 @@ from client import (
     make_header,
     page_tokens,
 )
-from client.errors import InvalidArgument
+from client.contract.errors import InvalidArgument
 from engine.store_link import StoreLink
 
 pytestmark = pytest.mark.integration

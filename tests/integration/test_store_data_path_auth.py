@@ -24,8 +24,8 @@ from conftest import (
 
 import kvstore.ucx_server
 from client import StoreClient
-from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from client.ucx_protocol import (
+from client.contract.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from client.transports.ucx_protocol import (
     KIND_ERROR,
     KIND_GET,
     KIND_HELLO,
@@ -37,7 +37,7 @@ from client.ucx_protocol import (
     parse_preamble,
     preamble,
 )
-from client.ucx_transport import UcxTransport
+from client.transports.ucx_transport import UcxTransport
 from kvstore.auth import hash_token
 from kvstore_pb import store_pb2 as pb
 

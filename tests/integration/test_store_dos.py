@@ -19,7 +19,7 @@ import pytest
 from conftest import PAGE_BYTES, DaemonFactory, assert_intact, keys_of, singles
 
 from client import PutStatus, Scope, StoreClient
-from client.ucx_protocol import KIND_PUT, parse_address, preamble
+from client.transports.ucx_protocol import KIND_PUT, parse_address, preamble
 from kvstore_pb import store_pb2 as pb
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ Reserve and its copy; between Acquire and its copy; after the first message of a
 stream), lets the lease run out (the store's clock is moved, then its sweep runs), makes another
 page take the slot, resumes the client (SIGCONT), and checks every page served, byte for byte,
 against what was put. Writers are fenced by the quarantine of expired reservations' slots
-(kvstore/fence.py); readers by slot generations (kvstore/tiers/dram.py, client/shm.py).
+(kvstore/fence.py); readers by slot generations (kvstore/tiers/dram.py, client/transports/shm.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 from conftest import PAGE_BYTES, DaemonFactory, RunningDaemon, keys_of, read_back, singles
 
 from client import IoClass, Page, Scope, StoreClient
-from client.errors import DeadlineExceeded
+from client.contract.errors import DeadlineExceeded
 from kvstore_pb import store_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,7 @@ _STALLED_CLIENT = r"""
 import os, signal, sys
 import client.store_client as sc
 from client import Page, PageHeader, Scope, StoreClient
-from client.errors import StrataError
+from client.contract.errors import StrataError
 
 mode, address, folder = sys.argv[1:4]
 scope = Scope.decode(open(os.path.join(folder, "scope"), "rb").read())
@@ -77,7 +77,7 @@ else:
         sc.read_acquired = stalled
         client = StoreClient(address, shared_memory=True)
     else:  # a remote get stream over gRPC: stop after its first message
-        import client._wire as wire
+        import client.transports._wire as wire
         original = wire.GetAssembler.feed_message
         state = {"n": 0}
         def stalled(self, raw):

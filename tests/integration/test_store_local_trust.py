@@ -27,9 +27,9 @@ from conftest import DaemonFactory, RunningDaemon, assert_intact, chain, make_sc
 import client.store_client
 import kvstore.lane
 from client import AsyncStoreClient, StoreClient
-from client.errors import Unavailable
-from client.lane import Lane, LaneError, LaneStub
-from client.lane_protocol import METHOD_IDS, REQUEST, RESPONSE, STATUS_OK, recv_exact
+from client.contract.errors import Unavailable
+from client.transports.lane import Lane, LaneError, LaneStub
+from client.transports.lane_protocol import METHOD_IDS, REQUEST, RESPONSE, STATUS_OK, recv_exact
 from kvstore.auth import hash_token
 from kvstore.tiers.private import make_private, private_folder, shared_folder
 from kvstore_pb import store_pb2 as pb
@@ -86,7 +86,7 @@ def test_a_trusted_principal_of_the_daemons_user_gets_the_lane(daemon: RunningDa
 def test_an_untrusted_principal_falls_back_to_the_remote_path(
     daemon: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="client.shm")
+    caplog.set_level(logging.INFO, logger="client.transports.shm")
     tool = _client(daemon, "tool")
     tool.connect()
     assert tool.transport == "grpc"  # no segment mapped, no lane

@@ -44,7 +44,7 @@ from client import (
     StoreClient,
     Tier,
 )
-from client.errors import CapacityExhausted
+from client.contract.errors import CapacityExhausted
 from kvstore_pb import store_pb2 as pb
 from loadtests.daemon import wait_for
 

@@ -15,7 +15,7 @@ from conftest import PAGE_BYTES, DaemonFactory, RunningDaemon, keys_of, make_sco
 from test_store_paths import metric, scrape
 
 from client import CapacityExhausted, IoClass, Page, Scope, StoreClient, Tier
-from client._wire import put_requests
+from client.transports._wire import put_requests
 from kvstore.config import load_config
 from kvstore.errors import InvalidArgument
 from kvstore.index import Index, PageEntry

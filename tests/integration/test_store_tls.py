@@ -1,4 +1,4 @@
-"""TLS on the store's network paths (config `[tls]`, kvstore/tls.py, client/tls.py): gRPC and the
+"""TLS on the store's network paths (config `[tls]`, kvstore/tls.py, client/transports/tls.py): gRPC and the
 TCP data path encrypted, client certificates when the daemon asks for them, plaintext refused
 when TLS is required (no plaintext gRPC port, a plaintext TCP data-path connection closed at
 once, no UCX listener), and a TLS client that never falls back to plaintext.
@@ -29,9 +29,9 @@ from conftest import (
 )
 
 from client import ClusterClient, StoreClient
-from client.errors import InvalidArgument, Unavailable
-from client.tls import ENV_CA, TlsOptions
-from client.ucx_protocol import (
+from client.contract.errors import InvalidArgument, Unavailable
+from client.transports.tls import ENV_CA, TlsOptions
+from client.transports.ucx_protocol import (
     KIND_GET,
     KIND_MANIFEST,
     PREAMBLE,

@@ -1,5 +1,5 @@
-"""The TCP bulk data path (the UCX framing over plain sockets: client/tcp_endpoint.py through
-client/ucx_transport.py <-> kvstore/ucx_server.py) against gRPC.
+"""The TCP bulk data path (the UCX framing over plain sockets: client/transports/tcp_endpoint.py through
+client/transports/ucx_transport.py <-> kvstore/ucx_server.py) against gRPC.
 
 The same calls give the same results and byte-identical payloads over TCP and gRPC, for small
 and > 1 MiB pages; a payload corrupted on the wire is refused (nothing stored); a client that
@@ -19,8 +19,8 @@ from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope,
 from test_ucx_path import LARGE, LAYOUTS, MEDIUM, SMALL, layout_bytes, prompt, transcript
 
 from client import KVLayout, Page, StoreClient
-from client.errors import Corrupt, Unavailable
-from client.ucx_protocol import (
+from client.contract.errors import Corrupt, Unavailable
+from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
     KIND_PUT,

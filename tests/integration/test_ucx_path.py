@@ -1,4 +1,4 @@
-"""The UCX bulk data path (client/ucx_transport.py <-> kvstore/ucx_server.py) against gRPC.
+"""The UCX bulk data path (client/transports/ucx_transport.py <-> kvstore/ucx_server.py) against gRPC.
 
 A daemon with its UCX listener on serves a UCX client and a gRPC-streaming client: every call
 gives the same results and byte-identical payloads, for small and > 1 MiB pages. A payload
@@ -19,9 +19,10 @@ from collections.abc import Callable, Sequence
 import pytest
 from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope, tokens_of
 
-from client import KVLayout, Page, Scope, StoreClient, build_pages, ucx_transport
-from client.errors import Corrupt, Unavailable
-from client.ucx_protocol import (
+from client import KVLayout, Page, Scope, StoreClient, build_pages
+from client.transports import ucx_transport
+from client.contract.errors import Corrupt, Unavailable
+from client.transports.ucx_protocol import (
     KIND_GET,
     KIND_MANIFEST,
     KIND_PUT,
@@ -33,7 +34,7 @@ from client.ucx_protocol import (
     parse_preamble,
     preamble,
 )
-from client.ucx_runtime import ucx_runtime
+from client.transports.ucx_runtime import ucx_runtime
 from kvstore_pb import store_pb2 as pb
 from loadtests.daemon import wait_for
 
@@ -310,7 +311,7 @@ def test_client_without_ucxx_uses_grpc(
     daemon = daemon_factory(dram="64MiB", ssd=None, settings=UCX_ON)
     monkeypatch.setattr(ucx_transport, "ucxx_installed", lambda: False)
     auto = daemon.client(shared_memory=False)
-    with caplog.at_level("INFO", logger="client.ucx_transport"):
+    with caplog.at_level("INFO", logger="client.transports.ucx_transport"):
         assert auto.transport == "grpc"
         scope = make_scope(layout=SMALL)
         pages = prompt(scope, 2, seed=14)

@@ -9,9 +9,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client._wire import STORE_METHODS, auth_metadata, error_from_status, resolve_token, with_token
-from client.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from client.scope import SUB_NAMESPACE_SEPARATOR, KVLayout, Scope, base_namespace
+from client.contract.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from client.contract.scope import SUB_NAMESPACE_SEPARATOR, KVLayout, Scope, base_namespace
+from client.transports._wire import (
+    STORE_METHODS,
+    auth_metadata,
+    error_from_status,
+    resolve_token,
+    with_token,
+)
 from engine.router.core.tenancy import SALT_SEPARATOR, salted_namespace
 from kvstore.auth import (
     OPEN,

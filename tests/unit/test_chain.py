@@ -1,12 +1,12 @@
-"""Key-chain verification (kvstore/chain.py) and the SDK's chain prefixes (client/types.py), pure."""
+"""Key-chain verification (kvstore/chain.py) and the SDK's chain prefixes (client/contract/types.py), pure."""
 
 from __future__ import annotations
 
 import pytest
 
 from client import KVLayout, Scope, build_pages
-from client.scope import chain_key, page_keys
-from client.types import chain_prefixes_for, tokens_le
+from client.contract.scope import chain_key, page_keys
+from client.contract.types import chain_prefixes_for, tokens_le
 from kvstore.chain import ChainMemory, first_unverified, prefix_keys
 from kvstore.errors import InvalidArgument
 from kvstore.index import Index, PageEntry

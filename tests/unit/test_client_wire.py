@@ -1,4 +1,4 @@
-"""The client SDK's wire (client/_wire.py) and its clients on the gRPC data path.
+"""The client SDK's wire (client/transports/_wire.py) and its clients on the gRPC data path.
 
 Conversions, the status -> error mapping (with the retry-after hint), put chunking, key and buffer
 checks that run before any RPC, get verification, retries of idempotent calls only, batching by
@@ -44,7 +44,9 @@ from client import (
     build_pages,
     page_keys,
 )
-from client._wire import (
+from client.contract.page import PageHeader
+from client.contract.types import Limits
+from client.transports._wire import (
     DEFAULT_RETRY_AFTER_S,
     IDEMPOTENT_METHODS,
     Deadline,
@@ -61,8 +63,6 @@ from client._wire import (
     put_requests,
     stats_from_proto,
 )
-from client.page import PageHeader
-from client.types import Limits
 from kvstore_pb import API_VERSION
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb import store_pb2_grpc as pb_grpc
@@ -766,7 +766,7 @@ from gevent import monkey
 monkey.patch_all()
 import sys
 sys.path.insert(0, {str(REPO_ROOT)!r})
-from client import gevent_support
+from client.transports import gevent_support
 gevent_support.init()
 gevent_support.init()
 assert gevent_support.initialized()

@@ -33,7 +33,7 @@ from client import (
     WritableBuffer,
     page_keys,
 )
-from client.types import checked_tokens, match_tokens
+from client.contract.types import checked_tokens, match_tokens
 from engine.colocated import ColocatedWorker
 from engine.decode import DecodeWorker
 from engine.errors import EngineBusy, EngineStopping, InvalidRequest

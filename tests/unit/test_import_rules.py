@@ -4,7 +4,7 @@
   generated *_pb2_grpc stubs.
 - Inside kvstore/, only the GPU tier (kvstore/tiers/gpu.py) imports torch.
 - engine/ imports from `client` only the names in `client.__all__`: never a submodule
-  (`from client.scope import ...`), and never the store's wire code (kvstore_pb) directly; its
+  (`from client.contract.scope import ...`), and never the store's wire code (kvstore_pb) directly; its
   own wire contract, kvstore_pb.engine_pb2 and engine_pb2_grpc (the workers' gRPC edge), is
   the one exception.
 - client/ never imports torch, triton or numpy.
@@ -275,7 +275,7 @@ def test_the_checker_reads_the_real_tree() -> None:
     client_files = list((REPO_ROOT / "client").rglob("*.py"))
     assert len(client_files) >= 4
     init_imports = imports_of(REPO_ROOT, REPO_ROOT / "client" / "__init__.py")
-    assert {"client.scope", "client.page", "client.errors"} <= {i.module for i in init_imports}
+    assert {"client.contract.scope", "client.contract.page", "client.contract.errors"} <= {i.module for i in init_imports}
 
 
 def test_import_linter_contracts_are_kept() -> None:
@@ -295,14 +295,14 @@ def test_import_linter_contracts_are_kept() -> None:
 # ---- the checker on a synthetic tree -----------------------------------------------------------
 
 CLIENT_INIT = """
-from client.scope import KVLayout, Scope, page_keys
+from client.contract.scope import KVLayout, Scope, page_keys
 from client.wire import pack_keys
 __all__ = ["KVLayout", "Scope", "page_keys"]
 """
 
 SYNTHETIC: dict[str, str] = {
     "client/__init__.py": CLIENT_INIT,
-    "client/scope.py": "import struct\nfrom . import errors\n",
+    "client/contract/scope.py": "import struct\nfrom . import errors\n",
     "client/wire.py": "from kvstore_pb import store_pb2\n",
     # allowed
     "kvstore/__init__.py": "",
@@ -311,7 +311,7 @@ SYNTHETIC: dict[str, str] = {
     "kvstore/cli.py": "import grpc\n",
     "kvstore/tiers/__init__.py": "",
     "kvstore/tiers/gpu.py": "import torch\nfrom torch import cuda\n",
-    "kvstore/store.py": "from kvstore_pb import store_pb2\nfrom client.scope import Scope\n",
+    "kvstore/store.py": "from kvstore_pb import store_pb2\nfrom client.contract.scope import Scope\n",
     "engine/__init__.py": "",
     "engine/good.py": (
         "import torch\nimport client\nfrom client import Scope, page_keys\nfrom client import *\n"
@@ -341,17 +341,17 @@ VIOLATIONS: dict[str, tuple[str, str]] = {
         "kvstore-torch",
     ),
     "kvstore/tiers/buddy.py": ("from .. import torch  # <-\n", "kvstore-torch-relative-ok"),
-    "client/page.py": ("import numpy as np  # <-\n", "client-heavy"),
-    "client/shm.py": ("from torch import Tensor  # <-\n", "client-heavy"),
+    "client/contract/page.py": ("import numpy as np  # <-\n", "client-heavy"),
+    "client/transports/shm.py": ("from torch import Tensor  # <-\n", "client-heavy"),
     "client/kernels.py": ("import triton.language as tl  # <-\n", "client-heavy"),
     "engine/a.py": ("from client import Scope, pack_keys  # <-\n", "engine-client"),
-    "engine/b.py": ("from client.scope import page_keys  # <-\n", "engine-client"),
-    "engine/c.py": ("import client.page  # <-\n", "engine-client"),
+    "engine/b.py": ("from client.contract.scope import page_keys  # <-\n", "engine-client"),
+    "engine/c.py": ("import client.contract.page  # <-\n", "engine-client"),
     "engine/d.py": ("import client as c\nk = c.pack_keys  # <-\n", "engine-client"),
     "engine/e.py": ("from kvstore_pb import store_pb2  # <-\n", "engine-client"),
     "engine/f.py": ("from kvstore_pb import engine_pb2, store_pb2_grpc  # <-\n", "engine-client"),
     "engine/g.py": ("import kvstore_pb  # <-\n", "engine-client"),
-    "engine/sub/__init__.py": ("from client.errors import Corrupt  # <-\n", "engine-client"),
+    "engine/sub/__init__.py": ("from client.contract.errors import Corrupt  # <-\n", "engine-client"),
 }
 
 
@@ -394,7 +394,7 @@ def test_each_violation_alone_fails_a_clean_tree(tmp_path: Path) -> None:
 
 
 def test_missing_all_is_reported(tmp_path: Path) -> None:
-    _write(tmp_path, {**SYNTHETIC, "client/__init__.py": "from client.scope import Scope\n"})
+    _write(tmp_path, {**SYNTHETIC, "client/__init__.py": "from client.contract.scope import Scope\n"})
     violations = check_tree(tmp_path)
     assert ("client/__init__.py", "engine-client") in {(v.path, v.rule) for v in violations}
 

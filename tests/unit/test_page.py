@@ -14,8 +14,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.errors import Corrupt, InvalidArgument
-from client.page import (
+from client.contract.errors import Corrupt, InvalidArgument
+from client.contract.page import (
     HEADER_FIXED_BYTES,
     MAGIC,
     VERSION,
@@ -26,7 +26,7 @@ from client.page import (
     make_header,
     payload_checksum,
 )
-from client.scope import DTYPES, KVLayout, Scope, chain_key, page_keys
+from client.contract.scope import DTYPES, KVLayout, Scope, chain_key, page_keys
 
 pytestmark = pytest.mark.unit
 
@@ -94,7 +94,7 @@ def test_golden_header_decodes_to_its_fields() -> None:
 
 
 def test_golden_header_layout_matches_the_docstring() -> None:
-    """Field offsets as documented in client/page.py, read back independently of the codec."""
+    """Field offsets as documented in client/contract/page.py, read back independently of the codec."""
     data = bytes.fromhex(GOLDEN_HEADER)
     assert data[0:4] == b"SKVP"
     assert struct.unpack_from("<HHI", data, 4) == (1, 0, 124)
@@ -302,7 +302,7 @@ def test_encode_rejects_keys_of_the_wrong_size(field: str) -> None:
 
 def test_quick_check_agrees_with_decode_and_validate() -> None:
     """The daemon's byte-level fast path accepts exactly the headers the full path accepts."""
-    from client.page import quick_check
+    from client.contract.page import quick_check
 
     scope = Scope("m", "w", "t", "float16", KVLayout(2, 2, 8, 4))
     other = Scope("m", "w", "t", "float16", KVLayout(2, 2, 8, 4), namespace="other")

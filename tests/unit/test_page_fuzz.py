@@ -24,8 +24,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.errors import Corrupt, InvalidArgument
-from client.page import (
+from client.contract.errors import Corrupt, InvalidArgument
+from client.contract.page import (
     HEADER_FIXED_BYTES,
     PageHeader,
     decode_page,
@@ -34,7 +34,7 @@ from client.page import (
     make_header,
     quick_check,
 )
-from client.scope import KVLayout, Scope, chain_key
+from client.contract.scope import KVLayout, Scope, chain_key
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""Rendezvous placement, hot-page detection and member records (client/placement.py,
-client/membership.py, client/etcd.py's pure helpers)."""
+"""Rendezvous placement, hot-page detection and member records (client/cluster/placement.py,
+client/cluster/membership.py, client/cluster/etcd.py's pure helpers)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import xxhash
 
-from client.errors import InvalidArgument
-from client.etcd import parse_endpoints, prefix_end
-from client.membership import Member, TierCapacity, member_key, members_prefix
-from client.placement import HotPages, plan, rank, replicas_of, score
+from client.cluster.etcd import parse_endpoints, prefix_end
+from client.cluster.membership import Member, TierCapacity, member_key, members_prefix
+from client.cluster.placement import HotPages, plan, rank, replicas_of, score
+from client.contract.errors import InvalidArgument
 
 pytestmark = pytest.mark.unit
 

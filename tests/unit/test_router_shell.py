@@ -260,7 +260,7 @@ def test_store_lookup_runs_inline_until_the_store_fails_stalls_or_is_slow() -> N
     from types import SimpleNamespace
 
     from client import LookupResult, Scope, StoreClient, Unavailable
-    from client.scope import KVLayout
+    from client.contract.scope import KVLayout
     from engine.router.lookup import StoreLookup
 
     class FakeStore(StoreClient):

@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.errors import InvalidArgument
-from client.scope import (
+from client.contract.errors import InvalidArgument
+from client.contract.scope import (
     DTYPES,
     KEY_BYTES,
     KEY_SCHEMA_VERSION,
@@ -501,7 +501,7 @@ def test_keys_are_stable_across_processes() -> None:
     """No process-random seed: another interpreter with another hash seed gets the same keys."""
     program = (
         "import json\n"
-        "from client.scope import KVLayout, Scope, Shard, page_keys\n"
+        "from client.contract.scope import KVLayout, Scope, Shard, page_keys\n"
         "s = Scope(model_id='Qwen/Qwen2.5-7B', weights_revision='rev-2', "
         "tokenizer_fingerprint='tok-2', kv_dtype='float16', layout=KVLayout(28, 4, 128, 32), "
         "adapter_id='lora-sql', adapter_fingerprint='fp-9', shard=Shard(1, 2, 1, 2), "

@@ -1,4 +1,4 @@
-"""The same-host data path (client/shm.py): mapping a segment, refusing what cannot be mapped,
+"""The same-host data path (client/transports/shm.py): mapping a segment, refusing what cannot be mapped,
 copying into reserved slots and out of leased ones, and both clients on that path against a
 canned same-host store that serves a segment this test creates under /dev/shm.
 """
@@ -33,9 +33,10 @@ from client import (
     Unavailable,
     build_pages,
 )
-from client.hostid import host_id
-from client.page import PageHeader
-from client.shm import (
+from client.contract.page import PageHeader
+from client.contract.types import GetResult, Limits, NodeInfo, Segment
+from client.transports.hostid import host_id
+from client.transports.shm import (
     SHM_DIR,
     map_node_segments,
     open_segment,
@@ -44,7 +45,6 @@ from client.shm import (
     try_map,
     write_reserved,
 )
-from client.types import GetResult, Limits, NodeInfo, Segment
 from kvstore.lane import LaneServer
 from kvstore_pb import API_VERSION
 from kvstore_pb import store_pb2 as pb

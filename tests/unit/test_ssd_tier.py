@@ -13,8 +13,8 @@ import pytest
 from rocksdict import Options, Rdict
 
 import kvstore.tiers.ssd
-from client.page import HEADER_FIXED_BYTES, PageHeader, make_header
-from client.scope import KVLayout, Scope
+from client.contract.page import HEADER_FIXED_BYTES, PageHeader, make_header
+from client.contract.scope import KVLayout, Scope
 from kvstore.errors import CapacityExhausted, Corrupt, InvalidArgument, Unavailable
 from kvstore.tiers.rocks import HEADERS_CF, PAYLOADS_CF
 from kvstore.tiers.ssd import SsdTier

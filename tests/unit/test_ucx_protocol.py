@@ -1,10 +1,10 @@
-"""The framing of the UCX data path (client/ucx_protocol.py): pure, no ucxx needed."""
+"""The framing of the UCX data path (client/transports/ucx_protocol.py): pure, no ucxx needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from client.errors import (
+from client.contract.errors import (
     CapacityExhausted,
     Corrupt,
     DeadlineExceeded,
@@ -12,7 +12,7 @@ from client.errors import (
     StrataError,
     Unavailable,
 )
-from client.ucx_protocol import (
+from client.transports.ucx_protocol import (
     KIND_GET,
     PREAMBLE,
     ManifestEntry,

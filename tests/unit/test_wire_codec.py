@@ -1,4 +1,4 @@
-"""The hand-built protobuf of the bulk data path (client/_wire.py), pinned to the generated classes.
+"""The hand-built protobuf of the bulk data path (client/transports/_wire.py), pinned to the generated classes.
 
 Put and Get move page data as PutRequest/GetResponse messages encoded and decoded by hand, so
 payload bytes are copied once. These tests hold that encoding to exactly what the classes
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from client import KVLayout, Page, Scope, build_pages
-from client._wire import (
+from client.contract.types import IoClass, Tier
+from client.transports._wire import (
     GET_METHOD,
     PUT_METHOD,
     TAG_GET_CHUNK,
@@ -24,7 +25,6 @@ from client._wire import (
     put_messages,
     varint,
 )
-from client.types import IoClass, Tier
 from kvstore.service import _put_request
 from kvstore_pb import store_pb2 as pb
 

@@ -1,7 +1,7 @@
 """The gRPC wire of the store clients, shared by `StoreClient` and `AsyncStoreClient`.
 
 Everything here is free of I/O, so both clients stay thin and the unit tests can pin it:
-request checks (before any RPC), proto <-> `client.types` conversions, the one mapping from gRPC
+request checks (before any RPC), proto <-> `client.contract.types` conversions, the one mapping from gRPC
 status codes to typed errors, channel options, the retry policy (idempotent calls only), the
 chunking of a put stream and the reassembly and verification of a get stream.
 """
@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 import grpc
 from google.protobuf.message import DecodeError
 
-from client.errors import (
+from client.contract.errors import (
     CapacityExhausted,
     Corrupt,
     DeadlineExceeded,
@@ -33,9 +33,9 @@ from client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from client.page import PageHeader
-from client.scope import KEY_BYTES, Scope
-from client.types import (
+from client.contract.page import PageHeader
+from client.contract.scope import KEY_BYTES, Scope
+from client.contract.types import (
     Event,
     EventKind,
     IoClass,

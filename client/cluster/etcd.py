@@ -1,7 +1,7 @@
 """A small etcd v3 client over the JSON gRPC gateway (`POST /v3/...`), with urllib only.
 
 Shared by the daemon (which registers itself, kvstore/cluster.py) and the cluster client (which
-watches the member set): it imports nothing but the standard library and `client.errors`, so
+watches the member set): it imports nothing but the standard library and `client.contract.errors`, so
 `kvstore` may use it as a shared definition (DESIGN §2). Keys and values travel base64-encoded;
 int64 fields come back as JSON strings. Every call has a deadline; a failure of every endpoint
 raises `EtcdUnavailable` (an `Unavailable`), so callers can keep their last known state.
@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from client.errors import InvalidArgument, Unavailable
+from client.contract.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""The client end of the same-host control lane (framing in client/lane_protocol.py).
+"""The client end of the same-host control lane (framing in client/transports/lane_protocol.py).
 
 `LaneStub` looks like the generated gRPC stub to the client's call code: `stub.Acquire(request,
 timeout=...)` returns the reply or raises a `grpc.RpcError` carrying the status code, details and
 retry hint, so retries and error mapping are shared with the gRPC path. Streaming methods (Put,
 Get, Watch) are forwarded to a real gRPC stub. Connections are pooled, so concurrent callers
 (threads or greenlets) never wait on each other's round trips. Each new connection first sends
-HELLO with the client's token (client/lane_protocol.py); a daemon that does not trust this
+HELLO with the client's token (client/transports/lane_protocol.py); a daemon that does not trust this
 client with the same-host path refuses it (`LaneError.refused`); one that trusts a client of
 another user (`auth.local_uids`) hands it the segment's descriptor with the answer
 (`Lane.take_segment_fds`).
@@ -21,7 +21,7 @@ import threading
 import grpc
 from google.protobuf.message import Message
 
-from client.lane_protocol import (
+from client.transports.lane_protocol import (
     HELLO,
     METHOD_IDS,
     METHODS,

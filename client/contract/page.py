@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from client.errors import Corrupt, InvalidArgument
-from client.scope import (
+from client.contract.errors import Corrupt, InvalidArgument
+from client.contract.scope import (
     DTYPE_BY_CODE,
     KEY_BYTES,
     KVLayout,

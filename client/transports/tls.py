@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from client.errors import InvalidArgument
+from client.contract.errors import InvalidArgument
 
 ENV_CA = "STRATA_STORE_TLS_CA"
 ENV_CERT = "STRATA_STORE_TLS_CERT"

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-from client.errors import InvalidArgument
-from client.page import HEADER_FIXED_BYTES, Buffer, PageHeader, make_header
-from client.scope import Scope, chain_key, pack_tokens
+from client.contract.errors import InvalidArgument
+from client.contract.page import HEADER_FIXED_BYTES, Buffer, PageHeader, make_header
+from client.contract.scope import Scope, chain_key, pack_tokens
 
 WritableBuffer = bytearray | memoryview
 """A buffer a get may copy a payload into. Any writable, C-contiguous buffer works at run time

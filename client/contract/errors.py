@@ -1,7 +1,7 @@
 """Typed errors shared by the SDK and the daemon.
 
 A miss is a result, never an error. Only the daemon's service layer turns these into gRPC status
-codes, and only the SDK turns status codes back into them (client/errors.py is that one mapping).
+codes, and only the SDK turns status codes back into them (client/contract/errors.py is that one mapping).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Members come from etcd (`etcd_endpoints`: followed by a `MemberWatch`) or from a fixed list of
 `addresses` (each address is then its own node id). Pages are placed by rendezvous hashing
-(`client.placement`): each page goes to its top `replicas` live nodes, hot pages (read more than
+(`client.cluster.placement`): each page goes to its top `replicas` live nodes, hot pages (read more than
 `hot_threshold` times within `hot_window_s` through this client) to `replicas + hot_extra` on
 their next put. The client keeps one `StoreClient` per member and fans each call out per node in
 parallel on a thread pool:
@@ -28,17 +28,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from client._wire import resolve_token
-from client.errors import InvalidArgument, StrataError, Unavailable
-from client.etcd import EtcdClient
-from client.member_watch import MemberWatch
-from client.membership import Member
-from client.page import PageHeader
-from client.placement import HotPages, plan, rank
-from client.scope import Scope
-from client.store_client import StoreClient
-from client.tls import TlsOptions, resolve_tls
-from client.types import (
+from client.cluster.etcd import EtcdClient
+from client.cluster.member_watch import MemberWatch
+from client.cluster.membership import Member
+from client.cluster.placement import HotPages, plan, rank
+from client.contract.errors import InvalidArgument, StrataError, Unavailable
+from client.contract.page import PageHeader
+from client.contract.scope import Scope
+from client.contract.types import (
     GetResult,
     IoClass,
     LookupResult,
@@ -51,6 +48,9 @@ from client.types import (
     chain_prefixes_for,
     checked_tokens,
 )
+from client.store_client import StoreClient
+from client.transports._wire import resolve_token
+from client.transports.tls import TlsOptions, resolve_tls
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """A TCP socket as a bulk-path endpoint: the TCP data path speaks the UCX framing
-(client/ucx_protocol.py) over plain sockets, through the same transport and server code.
+(client/transports/ucx_protocol.py) over plain sockets, through the same transport and server code.
 
 `SocketEndpoint` gives a non-blocking socket the three operations the bulk code uses on a ucxx
-endpoint, on the process's bulk loop (client/ucx_runtime.py): `send(buffer)`, `recv(buffer)`
+endpoint, on the process's bulk loop (client/transports/ucx_runtime.py): `send(buffer)`, `recv(buffer)`
 (fills the whole buffer, straight from the kernel, no copy in between) and `abort()`. A UCX
 endpoint keeps messages in the order they were posted; so does this one: sends, and receives,
 complete one after another in the order they were started, however many are in flight.
@@ -21,7 +21,7 @@ import socket
 import ssl
 from typing import Any, cast
 
-from client.errors import Unavailable
+from client.contract.errors import Unavailable
 
 _SOCKET_BUFFER_BYTES = 4 << 20  # a few 1 MiB pages in flight per direction
 _TLS_STEP_BYTES = 1 << 20  # TLS sends are encrypted, and receives read off the socket, in steps

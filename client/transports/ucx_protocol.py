@@ -1,6 +1,6 @@
-"""Framing of the bulk data paths, UCX and TCP, shared by the SDK (client/ucx_transport.py) and
+"""Framing of the bulk data paths, UCX and TCP, shared by the SDK (client/transports/ucx_transport.py) and
 the daemon (kvstore/ucx_server.py). Pure: no ucxx here, so both ends and the tests can import it
-freely. Over TCP (client/tcp_endpoint.py) the same messages follow one another on the byte
+freely. Over TCP (client/transports/tcp_endpoint.py) the same messages follow one another on the byte
 stream; both ends always know the size of the next one.
 
 A UCX tag message must be received into a buffer of known size, so every exchange is a fixed
@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from client.errors import (
+from client.contract.errors import (
     CapacityExhausted,
     Corrupt,
     DeadlineExceeded,

@@ -20,7 +20,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from client.errors import InvalidArgument
+from client.contract.errors import InvalidArgument
 
 KEY_BYTES = 16
 KEY_SCHEMA_VERSION = 2

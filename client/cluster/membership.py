@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from client.errors import InvalidArgument
+from client.contract.errors import InvalidArgument
 
 ROOT = "/strata"
 

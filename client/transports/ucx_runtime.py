@@ -20,8 +20,8 @@ import importlib
 import threading
 from types import ModuleType
 
-from client.errors import Unavailable
-from client.ucx_protocol import prepare_environment
+from client.contract.errors import Unavailable
+from client.transports.ucx_protocol import prepare_environment
 
 _START_TIMEOUT_S = 30.0
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from client.errors import InvalidArgument
+from client.contract.errors import InvalidArgument
 
 
 def score(node_id: str, key: bytes) -> int:

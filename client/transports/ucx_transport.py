@@ -1,10 +1,10 @@
-"""The SDK's end of the UCX bulk data path (DESIGN §6; framing in client/ucx_protocol.py).
+"""The SDK's end of the UCX bulk data path (DESIGN §6; framing in client/transports/ucx_protocol.py).
 
 `UcxTransport` is a blocking facade over ucxx: every call runs as a coroutine on the process's
-bulk loop (client/ucx_runtime.py), each on an endpoint of its own (UCX: a fresh one per call, see
+bulk loop (client/transports/ucx_runtime.py), each on an endpoint of its own (UCX: a fresh one per call, see
 _MAX_IDLE_UCX_ENDPOINTS; TCP: a few idle connections are kept), so concurrent calls never share
 one. The same code serves the TCP data path (an address "tcp://...": the UCX framing over a
-socket, client/tcp_endpoint.py). Payloads are received
+socket, client/transports/tcp_endpoint.py). Payloads are received
 straight into the caller's buffers and sent straight from the caller's pages, with no copy made
 here. A get verifies each page's header and (when asked) checksum, as the gRPC path does.
 
@@ -25,12 +25,18 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from client.errors import Corrupt, DeadlineExceeded, InvalidArgument, StrataError, Unavailable
-from client.page import PageHeader
-from client.tcp_endpoint import EndpointClosed, connect_tcp, connect_tls
-from client.tls import TlsOptions
-from client.types import PutStatus
-from client.ucx_protocol import (
+from client.contract.errors import (
+    Corrupt,
+    DeadlineExceeded,
+    InvalidArgument,
+    StrataError,
+    Unavailable,
+)
+from client.contract.page import PageHeader
+from client.contract.types import PutStatus
+from client.transports.tcp_endpoint import EndpointClosed, connect_tcp, connect_tls
+from client.transports.tls import TlsOptions
+from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
     KIND_GET,
@@ -52,7 +58,7 @@ from client.ucx_protocol import (
     preamble,
     settle,
 )
-from client.ucx_runtime import bulk_loop, ucx_runtime
+from client.transports.ucx_runtime import bulk_loop, ucx_runtime
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from client.errors import InvalidArgument
-from client.etcd import EtcdClient, EtcdUnavailable
-from client.membership import Member, members_prefix
+from client.cluster.etcd import EtcdClient, EtcdUnavailable
+from client.cluster.membership import Member, members_prefix
+from client.contract.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import os
 import stat
 from collections.abc import Sequence
 
-from client._wire import malformed
-from client.errors import Corrupt, InvalidArgument, Unavailable
-from client.hostid import host_id
-from client.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
-from client.scope import Scope
-from client.types import NodeInfo, PutStatus, Segment
+from client.contract.errors import Corrupt, InvalidArgument, Unavailable
+from client.contract.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
+from client.contract.scope import Scope
+from client.contract.types import NodeInfo, PutStatus, Segment
+from client.transports._wire import malformed
+from client.transports.hostid import host_id
 from kvstore_pb import store_pb2 as pb
 
 log = logging.getLogger(__name__)
