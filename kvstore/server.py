@@ -39,6 +39,7 @@ from kvstore.metrics import (
 )
 from kvstore.service import NodeIdentity, StoreService, add_to_server
 from kvstore.store import Store
+from kvstore.tcp_server import TcpServer
 from kvstore.tiers.dram import ephemeral_segment_name, reclaim_ephemeral_segments
 from kvstore.tiers.private import make_private, private_folder, private_umask, restore_umask
 from kvstore.tls import ServerTls
@@ -150,6 +151,7 @@ class Daemon:
         self.info: DaemonInfo | None = None
         self._lane: LaneServer | None = None
         self._ucx: BulkServer | None = None
+        self._tcp: TcpServer | None = None
         self.registration: Registration | None = None
         self._umask: int | None = None  # the umask before start(), restored by stop()
         self._segment_fd = -1  # the DRAM segment, for lane clients of auth.local_uids
@@ -293,10 +295,13 @@ class Daemon:
                 if tls is not None:
                     log.warning("the UCX data path at %s is not encrypted", node.ucx_address)
         if server.tcp:
+            tcp = TcpServer(store, server.host, tls, service.auth)
             try:
-                node = dataclasses.replace(node, tcp_address=bulk.start_tcp(server.tcp_port))
+                node = dataclasses.replace(node, tcp_address=tcp.start(server.tcp_port))
             except Unavailable as exc:
                 log.warning("no TCP data path (%s)", exc)
+            else:
+                self._tcp = tcp
         service.node = node
         self._ucx = bulk
 
@@ -336,6 +341,9 @@ class Daemon:
         if self._ucx is not None:
             self._ucx.stop()
             self._ucx = None
+        if self._tcp is not None:
+            self._tcp.stop()
+            self._tcp = None
         if self.server is not None:
             self.server.stop(grace_s).wait()
             self.server = None

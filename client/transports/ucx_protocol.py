@@ -167,7 +167,7 @@ def encode_put(begin: bytes, headers: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def decode_put(meta: bytes | bytearray, page_count: int) -> tuple[bytes, list[bytes]]:
+def decode_put(meta: bytes | bytearray | memoryview, page_count: int) -> tuple[bytes, list[bytes]]:
     """(serialized PutBegin, page headers) of a PUT's meta; InvalidArgument if malformed."""
     view = memoryview(meta)
     blobs: list[bytes] = []

@@ -1,12 +1,14 @@
 """The SDK's end of the UCX bulk data path (DESIGN §6; framing in client/transports/ucx_protocol.py).
 
-`UcxTransport` is a blocking facade over ucxx: every call runs as a coroutine on the process's
-bulk loop (client/transports/ucx_runtime.py), each on an endpoint of its own (UCX: a fresh one per call, see
-_MAX_IDLE_UCX_ENDPOINTS; TCP: a few idle connections are kept), so concurrent calls never share
-one. The same code serves the TCP data path (an address "tcp://...": the UCX framing over a
-socket, client/transports/tcp_endpoint.py). Payloads are received
-straight into the caller's buffers and sent straight from the caller's pages, with no copy made
-here. A get verifies each page's header and (when asked) checksum, as the gRPC path does.
+`UcxTransport` is one bulk data path to a daemon. Over UCX ("ucx://...") it is a blocking facade
+over ucxx: every call runs as a coroutine on the process's bulk loop
+(client/transports/ucx_runtime.py), each on an endpoint of its own (a fresh one per call, see
+_MAX_IDLE_UCX_ENDPOINTS), so concurrent calls never share one; `get_async`/`put_async` are the
+same calls awaitable from any event loop. Over TCP ("tcp://...") it hands every call to
+`TcpTransport` (client/transports/tcp_transport.py: the caller's own thread does the socket
+I/O, one round trip per call). Payloads are received straight into the caller's buffers and
+sent straight from the caller's pages, with no copy made here. A get verifies each page's
+header and (when asked) checksum, as the gRPC path does.
 
 `UcxLink` is one StoreClient's choice of this path: used when ucxx imports and the daemon
 advertises a listener that answers; otherwise (or after a transport failure) the client stays
@@ -22,7 +24,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from client.contract.errors import (
@@ -34,7 +35,9 @@ from client.contract.errors import (
 )
 from client.contract.page import PageHeader
 from client.contract.types import PutStatus
-from client.transports.tcp_endpoint import EndpointClosed, connect_tcp, connect_tls
+from client.transports.tcp_protocol import GetOutcome, LookupHits, accept_entry
+from client.transports.tcp_transport import TcpTransport
+from client.transports.tcp_transport import TransportFailed as TransportFailed
 from client.transports.tls import TlsOptions
 from client.transports.ucx_protocol import (
     KIND_DONE,
@@ -47,7 +50,6 @@ from client.transports.ucx_protocol import (
     KIND_WELCOME,
     PREAMBLE,
     TCP_SCHEME,
-    ManifestEntry,
     ProtocolError,
     decode_error,
     decode_manifest,
@@ -58,7 +60,7 @@ from client.transports.ucx_protocol import (
     preamble,
     settle,
 )
-from client.transports.ucx_runtime import bulk_loop, ucx_runtime
+from client.transports.ucx_runtime import ucx_runtime
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +70,8 @@ T = TypeVar("T")
 # idle connected client cost 100% of a core; one endpoint per call costs none, at the same
 # throughput for bulk transfers).
 _MAX_IDLE_UCX_ENDPOINTS = 0
-# An idle TCP connection costs nothing: keep a few, so a call does not pay for a connect.
-_MAX_IDLE_TCP_ENDPOINTS = 4
 _CONNECT_TIMEOUT_S = 5.0
 _MAX_META_BYTES = 1 << 30
-
-
-class TransportFailed(Unavailable):
-    """The UCX path itself failed (no ucxx, no listener, connection lost): use gRPC instead."""
 
 
 class _RemoteError(Exception):
@@ -94,21 +90,14 @@ def ucxx_installed() -> bool:
 # ---- transport -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class GetOutcome:
-    """One get's result: the header of each delivered page (None: a miss) and how many pages
-    were dropped by verification (each also a miss)."""
-
-    headers: tuple[PageHeader | None, ...]
-    corrupt: int
-
-
 class UcxTransport:
-    """Blocking UCX calls to the daemon listening at `address` ("ucx://host:port").
+    """Blocking calls to the daemon's bulk data path at `address` ("ucx://host:port", or
+    "tcp://host:port": handed to `TcpTransport`).
 
     `open()` connects one endpoint (TransportFailed if it cannot); `get`/`put` raise the typed
     error the daemon answered, DeadlineExceeded after `timeout_s`, TransportFailed when the
-    connection breaks. Thread-safe. `close()` drops every endpoint.
+    connection breaks. Thread-safe. `close()` drops every endpoint. `lookup` is served over
+    TCP only (TransportFailed over UCX: use gRPC).
     """
 
     def __init__(
@@ -121,32 +110,44 @@ class UcxTransport:
         token: str | None = None,
     ) -> None:
         self.address = address
+        self._tcp: TcpTransport | None = None
+        if address.startswith(TCP_SCHEME):
+            self._tcp = TcpTransport(
+                address,
+                fallback_host=fallback_host,
+                max_page_bytes=max_page_bytes,
+                tls=tls,
+                token=token,
+            )
+            return
         self._hello = (token or "").encode()
         try:
             self._host, self._port = parse_address(address, fallback_host)
         except InvalidArgument as exc:
             raise TransportFailed(str(exc)) from None
         self._max_page_bytes = max_page_bytes or (1 << 62)
-        self._tcp = address.startswith(TCP_SCHEME)
-        if tls is not None and not self._tcp:
+        if tls is not None:
             raise TransportFailed("the UCX data path cannot be encrypted (this client uses TLS)")
-        self._tls = tls
-        self._ssl = tls.ssl_context() if tls is not None else None
-        self._ucxx: Any = None
-        if self._tcp:
-            self._loop = bulk_loop()
-        else:
-            try:
-                self._ucxx, self._loop = ucx_runtime()
-            except Unavailable as exc:
-                raise TransportFailed(str(exc)) from None
-        self._max_idle = _MAX_IDLE_TCP_ENDPOINTS if self._tcp else _MAX_IDLE_UCX_ENDPOINTS
+        try:
+            self._ucxx, self._loop = ucx_runtime()
+        except Unavailable as exc:
+            raise TransportFailed(str(exc)) from None
+        self._max_idle = _MAX_IDLE_UCX_ENDPOINTS
         self._idle: list[Any] = []  # touched on the loop only
         self._closed = False
+
+    @property
+    def tcp(self) -> TcpTransport | None:
+        """The TCP transport this hands its calls to (None over UCX)."""
+        return self._tcp
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def open(self, timeout_s: float) -> None:
+        if self._tcp is not None:
+            self._tcp.open(timeout_s)
+            return
+
         async def probe() -> None:
             ep = await self._connect(min(timeout_s, _CONNECT_TIMEOUT_S))
             if self._max_idle:
@@ -158,6 +159,9 @@ class UcxTransport:
         self._run(probe(), timeout_s)
 
     def close(self) -> None:
+        if self._tcp is not None:
+            self._tcp.close()
+            return
         if self._closed:
             return
         self._closed = True
@@ -189,11 +193,81 @@ class UcxTransport:
         straight into its buffer; with `verify` its checksum is checked after. A page failing
         either is a miss, counted in `corrupt`; its buffer's contents are then unspecified.
         """
+        if self._tcp is not None:
+            return self._tcp.get(
+                request, scope_digest, keys, into, verify=verify, timeout_s=timeout_s
+            )
         self._check_open()
+        return self._run(
+            self._get_coro(request, scope_digest, keys, into, verify, timeout_s), timeout_s
+        )
+
+    def put(
+        self,
+        begin: bytes,
+        headers: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        *,
+        timeout_s: float,
+    ) -> tuple[PutStatus, ...]:
+        """Put pages: `begin` a serialized PutBegin, then each page's header and payload. The
+        daemon verifies every payload and stores all the pages it lacks, or none (raising)."""
+        if self._tcp is not None:
+            return self._tcp.put(begin, headers, payloads, timeout_s=timeout_s)
+        self._check_open()
+        return self._run(self._put_coro(begin, headers, payloads, timeout_s), timeout_s)
+
+    def lookup(self, request: bytes, asked: int, *, timeout_s: float) -> LookupHits:
+        """The hits of the serialized LookupRequest `request` (of `asked` keys), over TCP."""
+        if self._tcp is None:
+            raise TransportFailed("lookups go over gRPC on the UCX data path")
+        return self._tcp.lookup(request, asked, timeout_s=timeout_s)
+
+    async def get_async(
+        self,
+        request: bytes,
+        scope_digest: bytes,
+        keys: Sequence[bytes],
+        into: Sequence[memoryview],
+        *,
+        verify: bool,
+        timeout_s: float,
+    ) -> GetOutcome:
+        """`get` over UCX, awaitable from any event loop (it runs on the bulk loop)."""
+        if self._tcp is not None:
+            raise TransportFailed("use AsyncTcpTransport for the TCP data path")
+        self._check_open()
+        coro = self._get_coro(request, scope_digest, keys, into, verify, timeout_s)
+        return await self._run_async(coro, timeout_s)
+
+    async def put_async(
+        self,
+        begin: bytes,
+        headers: Sequence[bytes],
+        payloads: Sequence[memoryview],
+        *,
+        timeout_s: float,
+    ) -> tuple[PutStatus, ...]:
+        """`put` over UCX, awaitable from any event loop (it runs on the bulk loop)."""
+        if self._tcp is not None:
+            raise TransportFailed("use AsyncTcpTransport for the TCP data path")
+        self._check_open()
+        return await self._run_async(self._put_coro(begin, headers, payloads, timeout_s), timeout_s)
+
+    # ---- plumbing --------------------------------------------------------------------------
+
+    async def _get_coro(
+        self,
+        request: bytes,
+        scope_digest: bytes,
+        keys: Sequence[bytes],
+        into: Sequence[memoryview],
+        verify: bool,
+        timeout_s: float,
+    ) -> GetOutcome:
         deadline = time.monotonic() + timeout_s
-        headers, corrupt = self._run(
-            self._call(lambda ep: self._get(ep, request, scope_digest, keys, into, deadline)),
-            timeout_s,
+        headers, corrupt = await self._call(
+            lambda ep: self._get(ep, request, scope_digest, keys, into, deadline)
         )
         if verify:
             for i, header in enumerate(headers):
@@ -207,23 +281,15 @@ class UcxTransport:
                     corrupt += 1
         return GetOutcome(tuple(headers), corrupt)
 
-    def put(
+    async def _put_coro(
         self,
         begin: bytes,
         headers: Sequence[bytes],
         payloads: Sequence[memoryview],
-        *,
         timeout_s: float,
     ) -> tuple[PutStatus, ...]:
-        """Put pages: `begin` a serialized PutBegin, then each page's header and payload. The
-        daemon verifies every payload and stores all the pages it lacks, or none (raising)."""
-        self._check_open()
         deadline = time.monotonic() + timeout_s
-        return self._run(
-            self._call(lambda ep: self._put(ep, begin, headers, payloads, deadline)), timeout_s
-        )
-
-    # ---- plumbing --------------------------------------------------------------------------
+        return await self._call(lambda ep: self._put(ep, begin, headers, payloads, deadline))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -238,16 +304,18 @@ class UcxTransport:
             future.cancel()
             raise TransportFailed(f"the UCX loop did not answer within {timeout_s:.1f} s") from None
 
-    async def _connect(self, timeout_s: float) -> Any:
-        connecting: Coroutine[Any, Any, Any]
-        if self._ssl is not None and self._tls is not None:
-            connecting = connect_tls(self._host, self._port, self._ssl, self._tls.server_name)
-        elif self._tcp:
-            connecting = connect_tcp(self._host, self._port)
-        else:
-            connecting = self._ucxx.create_endpoint(self._host, self._port)
+    async def _run_async(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
         try:
-            ep = await asyncio.wait_for(connecting, max(timeout_s, 0.001))
+            return await asyncio.wait_for(future, timeout_s + 2 * _CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise TransportFailed(f"the UCX loop did not answer within {timeout_s:.1f} s") from None
+
+    async def _connect(self, timeout_s: float) -> Any:
+        try:
+            ep = await asyncio.wait_for(
+                self._ucxx.create_endpoint(self._host, self._port), max(timeout_s, 0.001)
+            )
         except Exception as exc:
             raise TransportFailed(f"cannot connect to {self.address}: {exc!r}") from None
         try:
@@ -274,15 +342,9 @@ class UcxTransport:
             raise TransportFailed(f"{self.address} answered HELLO with frame {kind}")
 
     async def _call(self, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
-        while self._idle:  # a kept connection the daemon may have closed meanwhile
-            try:
-                return await self._call_on(self._idle.pop(), op)
-            except EndpointClosed:
-                continue  # nothing was done on it: go on with the next, or a fresh one
-        try:
-            return await self._call_on(await self._connect(_CONNECT_TIMEOUT_S), op)
-        except EndpointClosed as exc:
-            raise TransportFailed(f"transfer with {self.address} failed: {exc}") from None
+        if self._idle:  # (none are kept over UCX: _MAX_IDLE_UCX_ENDPOINTS)
+            return await self._call_on(self._idle.pop(), op)
+        return await self._call_on(await self._connect(_CONNECT_TIMEOUT_S), op)
 
     async def _call_on(self, ep: Any, op: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
         reusable = False
@@ -348,7 +410,7 @@ class UcxTransport:
                 continue
             if entry.payload_bytes > self._max_page_bytes:
                 raise ProtocolError(f"page {i}: {entry.payload_bytes} bytes exceeds the page limit")
-            header = self._accept(entry, keys[i], scope_digest, into[i])
+            header = accept_entry(entry, keys[i], scope_digest, into[i])
             if header is None:
                 corrupt += 1
                 if entry.payload_bytes:
@@ -359,24 +421,6 @@ class UcxTransport:
                 targets.append(into[i][: entry.payload_bytes])
         await settle([ep.recv(t) for t in targets], deadline - time.monotonic(), ep)
         return headers, corrupt
-
-    @staticmethod
-    def _accept(
-        entry: ManifestEntry, key: bytes, scope_digest: bytes, into: memoryview
-    ) -> PageHeader | None:
-        """The header of a manifest entry if it is the page asked for and fits its buffer."""
-        try:
-            header = PageHeader.decode(entry.header)
-        except Corrupt as exc:
-            log.debug("ucx get: undecodable header: %s", exc)
-            return None
-        if header.key != key or header.scope_digest != scope_digest:
-            log.debug("ucx get: header names another key or scope")
-            return None
-        if header.payload_bytes != entry.payload_bytes or header.payload_bytes > into.nbytes:
-            log.debug("ucx get: payload of %d bytes does not fit", entry.payload_bytes)
-            return None
-        return header
 
     async def _put(
         self,

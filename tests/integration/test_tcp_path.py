@@ -1,5 +1,5 @@
-"""The TCP bulk data path (the UCX framing over plain sockets: client/transports/tcp_endpoint.py through
-client/transports/ucx_transport.py <-> kvstore/ucx_server.py) against gRPC.
+"""The TCP bulk data path (client/transports/tcp_protocol.py, driven in the caller's thread by
+client/transports/tcp_transport.py <-> kvstore/tcp_server.py) against gRPC.
 
 The same calls give the same results and byte-identical payloads over TCP and gRPC, for small
 and > 1 MiB pages; a payload corrupted on the wire is refused (nothing stored); a client that
@@ -20,13 +20,11 @@ from test_ucx_path import LARGE, LAYOUTS, MEDIUM, SMALL, layout_bytes, prompt, t
 
 from client import KVLayout, Page, StoreClient
 from client.contract.errors import Corrupt, Unavailable
+from client.transports.tcp_protocol import KIND_PUT_PAGES, encode_put_pages
 from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
-    KIND_PUT,
-    KIND_WANT,
     PREAMBLE,
-    encode_put,
     parse_address,
     parse_preamble,
     preamble,
@@ -94,9 +92,9 @@ def test_kept_connections_are_reused_and_shared_by_threads(daemon_factory: Daemo
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(work, range(4)))
     assert got == [[bytes(p.payload) for p in ps] for ps in prompts]
-    server = daemon.daemon._ucx
+    server = daemon.daemon._tcp
     assert server is not None
-    live = len(server._endpoints)
+    live = server.connection_count()
     assert 1 <= live <= 4  # at most one per concurrent call, kept for the next
     for _ in range(5):  # sequential calls reuse a kept connection: none is added
         tcp.lookup(scopes[0], keys_of(prompts[0]))
@@ -106,7 +104,7 @@ def test_kept_connections_are_reused_and_shared_by_threads(daemon_factory: Daemo
             ).hit_count
             == 6
         )
-    assert len(server._endpoints) == live
+    assert server.connection_count() == live
     daemon.check()
 
 
@@ -116,27 +114,29 @@ def test_a_kept_connection_the_daemon_closed_is_replaced(daemon_factory: DaemonF
     scope = make_scope(layout=SMALL)
     pages = prompt(scope, 3, seed=2)
     assert tcp.put(scope, pages).stored == 3
-    server = daemon.daemon._ucx
+    server = daemon.daemon._tcp
     assert server is not None
-    assert wait_for(lambda: len(server._endpoints) == 1, timeout_s=5)
-    for ep in list(server._endpoints):  # the daemon drops the idle connection (any thread may)
-        ep.abort()
+    assert wait_for(lambda: server.connection_count() == 1, timeout_s=5)
+    server.drop_connections()  # the daemon drops the idle connection
+    assert wait_for(lambda: server.connection_count() == 0, timeout_s=5)
     assert tcp.get(scope, keys_of(pages), buffers(scope, 3), tokens=tokens_of(pages)).hit_count == 3
     assert tcp.transport == "tcp"  # a fresh connection, not a fall back to gRPC
 
 
-def _raw_put(address: str, scope_layout: KVLayout, pages: list[Page], payloads: list[bytes]) -> int:
-    """A hand-rolled TCP client: PUT, read WANT, send `payloads`; the reply frame's kind."""
-    host, port = parse_address(address)
+def put_frame(scope_layout: KVLayout, pages: list[Page], payloads: list[bytes]) -> bytes:
+    """A PUT_PAGES frame and its payloads, as a hand-rolled client sends them."""
     begin = pb.PutBegin(scope=make_scope(layout=scope_layout).encode(), page_count=len(pages))
-    meta = encode_put(begin.SerializeToString(), [p.header.encode() for p in pages])
+    meta = encode_put_pages(
+        begin.SerializeToString(), [p.header.encode() for p in pages], [len(p) for p in payloads]
+    )
+    return preamble(KIND_PUT_PAGES, len(pages), len(meta)) + meta + b"".join(payloads)
+
+
+def _raw_put(address: str, scope_layout: KVLayout, pages: list[Page], payloads: list[bytes]) -> int:
+    """A hand-rolled TCP client: one PUT_PAGES frame with every payload; the reply's kind."""
+    host, port = parse_address(address)
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(preamble(KIND_PUT, len(pages), len(meta)) + meta)
-        frame = parse_preamble(_read(sock, PREAMBLE.size), 1 << 20)
-        assert frame.kind == KIND_WANT
-        assert list(_read(sock, frame.meta_bytes)) == [1] * len(pages)
-        for payload in payloads:
-            sock.sendall(payload)
+        sock.sendall(put_frame(scope_layout, pages, payloads))
         reply = parse_preamble(_read(sock, PREAMBLE.size), 1 << 20)
         _read(sock, reply.meta_bytes)
         return reply.kind
@@ -194,13 +194,9 @@ def test_disconnect_mid_put_stores_nothing_and_daemon_serves_on(
     scope = make_scope(layout=LARGE)
     pages = prompt(scope, 4, seed=11)
     host, port = parse_address(daemon.info.tcp_address)
-    begin = pb.PutBegin(scope=scope.encode(), page_count=4).SerializeToString()
-    meta = encode_put(begin, [p.header.encode() for p in pages])
+    frame = put_frame(LARGE, pages, [bytes(p.payload) for p in pages])
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall(preamble(KIND_PUT, 4, len(meta)) + meta)
-        frame = parse_preamble(_read(sock, PREAMBLE.size), 1 << 20)
-        _read(sock, frame.meta_bytes)
-        sock.sendall(bytes(pages[0].payload)[:1000])  # ... and gone, mid-page
+        sock.sendall(frame[: len(frame) - len(pages[0].payload) * 3 - 1000])  # ... and gone
     _no_leases(daemon)
     assert daemon.store.stats().pages == 0
     daemon.check()
@@ -214,8 +210,8 @@ def test_client_falls_back_to_grpc_when_the_listener_goes(daemon_factory: Daemon
     scope = make_scope(layout=MEDIUM)
     pages = prompt(scope, 3, seed=13)
     assert tcp.put(scope, pages[:1]).stored == 1
-    assert daemon.daemon._ucx is not None
-    daemon.daemon._ucx.stop()  # the TCP listener and its connections go; gRPC lives on
+    assert daemon.daemon._tcp is not None
+    daemon.daemon._tcp.stop()  # the TCP listener and its connections go; gRPC lives on
     assert tcp.put(scope, pages).stored == 2
     assert tcp.transport == "grpc"
     into = buffers(scope, 3)

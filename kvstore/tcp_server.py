@@ -1,0 +1,587 @@
+"""The daemon's end of the TCP data path (operations in client/transports/tcp_protocol.py).
+
+A thread per connection does blocking socket I/O and calls the store directly (its calls are
+thread-safe under its lock): no event loop, no thread-pool hop per call. Each connection is
+served one request at a time:
+
+- GET: acquire the pages, then, admitted by the scheduler and with the lease renewed, send the
+  manifest and every present payload straight from its DRAM slot (one `sendmsg` of many
+  views), then release the lease — the daemon ends the read itself when the send is done; a
+  connection that breaks mid-send releases it the same way. A miss is answered in the same
+  round trip.
+- PUT_PAGES: reserve DRAM slots, receive each announced payload straight into its slot (a page
+  not reserved, already present or being written, is received and dropped), verify every
+  checksum (a network receive), then commit — or abort and store nothing. Whatever the answer,
+  every announced byte is read first, so the connection stays in step.
+- LOOKUP: the longest present prefix of a chain, as the gRPC Lookup.
+
+Typed errors go back as ERROR frames and the connection stays usable; a frame that breaks the
+framing (foreign magic, truncated meta, sizes that cannot be read) ends that connection only.
+
+Who calls: as on UCX, the first frame is HELLO with the client's token (an open daemon also
+serves a connection without one); the connection is bound to its principal and every request is
+checked against its namespaces (a get or lookup carries its scope's canonical encoding; its
+digest must be the one sent). With TLS, a connection whose first byte opens a TLS handshake is
+served over TLS; a plaintext one only unless TLS is required (then it is closed at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+
+from google.protobuf.message import DecodeError
+
+from client.contract.errors import (
+    Corrupt,
+    InvalidArgument,
+    PermissionDenied,
+    StrataError,
+    Unauthenticated,
+    Unavailable,
+)
+from client.contract.page import PageHeader
+from client.contract.scope import KEY_BYTES, unpack_keys
+from client.transports.tcp_endpoint import TLS_HANDSHAKE_TIMEOUT_S
+from client.transports.tcp_protocol import (
+    KIND_LOOKUP,
+    KIND_LOOKUP_HITS,
+    KIND_PUT_PAGES,
+    encode_tiers,
+    split_put_pages,
+)
+from client.transports.tcp_transport import recv_exact, send_parts
+from client.transports.ucx_protocol import (
+    KIND_DONE,
+    KIND_ERROR,
+    KIND_GET,
+    KIND_HELLO,
+    KIND_MANIFEST,
+    KIND_WELCOME,
+    PREAMBLE,
+    TCP_SCHEME,
+    Frame,
+    ManifestEntry,
+    ProtocolError,
+    decode_put,
+    encode_error,
+    encode_manifest,
+    format_address,
+    parse_preamble,
+    preamble,
+)
+from kvstore.auth import OPEN, Authenticator, Principal
+from kvstore.keys import IoClass, io_class_from_wire, tier_from_wire
+from kvstore.store import Reservation, Store
+from kvstore.tls import TLS_HANDSHAKE_BYTE, ServerTls
+from kvstore_pb import store_pb2
+
+log = logging.getLogger(__name__)
+
+_BACKLOG = 128
+_META_STEP_BYTES = 1 << 20  # frame metadata is taken in steps of this, as it arrives
+_DRAIN_STEP_BYTES = 1 << 20
+_STOP_TIMEOUT_S = 5.0
+_SOCKET_BUFFER_BYTES = 4 << 20
+_STATUS = {
+    "stored": store_pb2.PUT_STATUS_STORED,
+    "pending": store_pb2.PUT_STATUS_PENDING,
+    "present": store_pb2.PUT_STATUS_ALREADY_PRESENT,
+}
+# With auth on, a connection's first frame (HELLO) must arrive within this long, else it is
+# closed: an unauthenticated connection holds nothing for longer.
+HELLO_TIMEOUT_S = 10.0
+
+
+class _PeerGone(Exception):
+    """The client closed the connection."""
+
+
+class _Conn:
+    """One accepted connection: its socket and the deadline-bounded I/O on it."""
+
+    __slots__ = ("name", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.name = f"tcp:{id(self)}"
+
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float) -> None:
+        send_parts(self.sock, parts, time.monotonic() + timeout_s)
+
+    def recv(self, into: memoryview, timeout_s: float | None) -> None:
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
+        if recv_exact(self.sock, into, deadline) < into.nbytes:
+            raise _PeerGone
+
+
+class TcpServer:
+    """Serves the TCP data path of `store` on `host`. `start(port)` (0 = any free port) returns
+    the address to advertise ("tcp://host:port") or raises Unavailable; `stop()` closes the
+    listener and every connection (their leases are released)."""
+
+    def __init__(
+        self,
+        store: Store,
+        host: str,
+        tls: ServerTls | None = None,
+        auth: Authenticator | None = None,
+    ) -> None:
+        self._store = store
+        self._host = host
+        self._auth = auth if auth is not None else Authenticator(None)
+        self._tls = tls
+        self._tls_context = tls.ssl_context() if tls is not None else None
+        limits = store.config.limits
+        self._max_meta = limits.max_message_bytes
+        self._max_page = limits.max_page_bytes
+        self._reserve_ms = limits.max_reserve_lease_ms
+        # a transfer must end well before its lease could run out under it
+        self._put_timeout_s = limits.max_reserve_lease_ms / 2000
+        self._get_timeout_s = limits.lease_ttl_ms / 2000
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._acceptor: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self, port: int = 0) -> str:
+        try:
+            family, kind, proto, _, where = socket.getaddrinfo(
+                self._host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise Unavailable(f"no TCP data listener on {self._host}:{port}: {exc}") from None
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(where)
+            sock.listen(_BACKLOG)
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(f"no TCP data listener on {self._host}:{port}: {exc}") from None
+        self._sock = sock
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, args=(sock,), name="strata-tcp-accept", daemon=True
+        )
+        self._acceptor.start()
+        address = format_address(self._host, int(sock.getsockname()[1]), TCP_SCHEME)
+        log.info("TCP data path listening at %s", address)
+        return address
+
+    def stop(self) -> None:
+        """Close the listener and every connection; wait (bounded) for their threads."""
+        with self._lock:
+            self._stopping = True
+            sock, self._sock = self._sock, None
+            conns = list(self._conns)
+            threads = list(self._threads)
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        sock.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for thread in [*threads, *([self._acceptor] if self._acceptor else [])]:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                log.warning(
+                    "TCP data path: %s did not end within %.0f s", thread.name, _STOP_TIMEOUT_S
+                )
+
+    def connection_count(self) -> int:
+        """Connections open now (kept-alive ones included)."""
+        with self._lock:
+            return len(self._conns)
+
+    def drop_connections(self) -> None:
+        """End every open connection (each releases what it holds); the listener stays."""
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # the listener was closed (stop)
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                thread = threading.Thread(
+                    target=self._serve, args=(conn,), name="strata-tcp-conn", daemon=True
+                )
+                self._conns.add(conn)
+                self._threads.add(thread)
+            thread.start()
+
+    # ---- one connection ----------------------------------------------------------------------
+
+    def _serve(self, raw: socket.socket) -> None:
+        sock = raw
+        try:
+            opened = self._open(raw)
+            if opened is None:
+                return
+            sock = opened
+            self._requests(_Conn(sock))
+        except ProtocolError as exc:
+            log.warning("TCP data path: connection closed: %s", exc)
+        except (_PeerGone, OSError, ssl.SSLError, TimeoutError) as exc:
+            log.debug("TCP data path: connection ended: %r", exc)
+        except Exception:  # a bug: this connection ends, the daemon keeps serving
+            log.exception("TCP data path: connection failed")
+        finally:
+            with self._lock:
+                self._conns.discard(raw)
+                self._threads.discard(threading.current_thread())
+            with contextlib.suppress(OSError):
+                sock.close()
+            with contextlib.suppress(OSError):
+                raw.close()
+
+    def _open(self, conn: socket.socket) -> socket.socket | None:
+        """The connection to serve: plaintext, or over TLS when this server has TLS and the
+        client opens with a TLS handshake; None when it is refused (closed)."""
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
+        ctx = self._tls_context
+        if ctx is None:
+            return conn
+        conn.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
+        try:
+            head = conn.recv(1, socket.MSG_PEEK)
+        except (OSError, TimeoutError) as exc:
+            log.warning("TCP data path: connection refused: %r", exc)
+            return None
+        if not head:
+            return None
+        if head[0] == TLS_HANDSHAKE_BYTE:
+            try:
+                return ctx.wrap_socket(conn, server_side=True)
+            except (OSError, ssl.SSLError, TimeoutError) as exc:
+                log.warning("TCP data path: connection refused: %r", exc)
+                return None
+        if self._tls is not None and self._tls.require:
+            log.warning("TCP data path: plaintext connection refused (TLS is required)")
+            return None
+        return conn
+
+    def _requests(self, conn: _Conn) -> None:
+        principal: Principal | None = None
+        while True:
+            first = principal is None and not self._auth.open  # HELLO comes at once, or never
+            frame, meta = self._frame(conn, HELLO_TIMEOUT_S if first else None)
+            if principal is None:
+                principal = self._hello(conn, frame.kind, meta)
+                if principal is None:
+                    return  # refused (and told so)
+                if frame.kind == KIND_HELLO:
+                    continue
+            if frame.kind == KIND_GET:
+                self._get(conn, meta, principal)
+            elif frame.kind == KIND_PUT_PAGES:
+                self._put(conn, frame.aux, meta, principal)
+            elif frame.kind == KIND_LOOKUP:
+                self._lookup(conn, meta, principal)
+            else:
+                raise ProtocolError(f"unexpected TCP frame kind {frame.kind}")
+
+    def _frame(self, conn: _Conn, timeout_s: float | None) -> tuple[Frame, bytearray]:
+        """The next frame. Its meta is taken a step at a time as it arrives: a header that
+        announces 72 MiB and sends nothing costs one step, not 72 MiB."""
+        head = bytearray(PREAMBLE.size)
+        conn.recv(memoryview(head), timeout_s)
+        frame = parse_preamble(head, self._max_meta)
+        if frame.meta_bytes <= _META_STEP_BYTES:
+            meta = bytearray(frame.meta_bytes)
+            if frame.meta_bytes:
+                conn.recv(memoryview(meta), timeout_s)
+            return frame, meta
+        meta = bytearray()
+        while len(meta) < frame.meta_bytes:
+            part = bytearray(min(_META_STEP_BYTES, frame.meta_bytes - len(meta)))
+            conn.recv(memoryview(part), timeout_s)
+            meta += part
+        return frame, meta
+
+    def _hello(self, conn: _Conn, kind: int, meta: bytearray) -> Principal | None:
+        """The principal of a connection whose first frame is `kind` (WELCOME sent for a HELLO),
+        or None when it is refused (ERROR sent: the connection is to be closed)."""
+        auth = self._auth
+        if kind != KIND_HELLO:
+            if auth.open:
+                return OPEN  # an open daemon serves clients that send no HELLO
+            auth.denied(None, "unauthenticated")
+            self._send_error(conn, Unauthenticated("the first frame must be HELLO"))
+            return None
+        try:
+            principal = auth.authenticate(bytes(meta).decode("utf-8", "replace") or None)
+        except Unauthenticated as exc:
+            auth.denied(None, "unauthenticated")
+            self._send_error(conn, exc)
+            return None
+        conn.send((preamble(KIND_WELCOME),), self._get_timeout_s)
+        return principal
+
+    def _send_error(self, conn: _Conn, exc: BaseException) -> None:
+        if not isinstance(exc, StrataError):
+            log.exception("TCP data path request failed", exc_info=exc)
+        code, meta = encode_error(exc)
+        conn.send((preamble(KIND_ERROR, code, len(meta)), meta), self._get_timeout_s)
+
+    # ---- checks (as the gRPC calls make them) -------------------------------------------------
+
+    def _read_digest(self, principal: Principal, scope: bytes, scope_digest: bytes) -> bytes:
+        auth = self._auth
+        if not scope:
+            if not auth.open:
+                raise InvalidArgument("this daemon checks namespaces: the request must carry scope")
+            if len(scope_digest) != KEY_BYTES:
+                raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
+            return scope_digest
+        digest, namespace = auth.scope_namespace(scope)
+        if scope_digest and scope_digest != digest:
+            auth.denied(principal, "scope_mismatch")
+            raise InvalidArgument("scope_digest is not the digest of scope")
+        if not auth.open:
+            try:
+                principal.check_read(namespace)
+            except PermissionDenied:
+                auth.denied(principal, "read")
+                raise
+        return digest
+
+    def _keys(self, packed: bytes) -> list[bytes]:
+        limit = self._store.config.limits.max_keys_per_call
+        if len(packed) > limit * KEY_BYTES:  # refused before the keys are split
+            raise InvalidArgument(
+                f"{len(packed) // KEY_BYTES} keys in one call; the limit is {limit}"
+            )
+        return unpack_keys(packed)
+
+    # ---- lookup ------------------------------------------------------------------------------
+
+    def _lookup(self, conn: _Conn, meta: bytearray, principal: Principal) -> None:
+        try:
+            try:
+                request = store_pb2.LookupRequest.FromString(bytes(meta))
+            except DecodeError:
+                raise InvalidArgument("malformed LookupRequest") from None
+            keys = self._keys(request.keys)
+            digest = self._read_digest(principal, request.scope, request.scope_digest)
+            outcome = self._store.lookup(digest, keys)
+        except StrataError as exc:
+            self._send_error(conn, exc)
+            return
+        tiers = encode_tiers(outcome.tiers)
+        conn.send(
+            (preamble(KIND_LOOKUP_HITS, outcome.hit_count, len(tiers)), tiers), self._get_timeout_s
+        )
+
+    # ---- get ---------------------------------------------------------------------------------
+
+    def _get(self, conn: _Conn, meta: bytearray, principal: Principal) -> None:
+        store = self._store
+        try:
+            try:
+                request = store_pb2.GetRequest.FromString(bytes(meta))
+            except DecodeError:
+                raise InvalidArgument("malformed GetRequest") from None
+            keys = self._keys(request.keys)
+            digest = self._read_digest(principal, request.scope, request.scope_digest)
+            io = io_class_from_wire(request.io_class)
+            acq = store.acquire(digest, keys, io)
+        except StrataError as exc:
+            self._send_error(conn, exc)
+            return
+        try:
+            dram = store.tiers.dram
+            entries: list[ManifestEntry] = []
+            views: list[memoryview] = []
+            for page in acq.pages:
+                if page is None:
+                    entries.append(ManifestEntry(b"", 0))
+                    continue
+                entries.append(ManifestEntry(page.header, page.length))
+                if page.length:
+                    views.append(dram.view(page.offset, page.length))
+            manifest = encode_manifest(entries)
+            total = sum(v.nbytes for v in views)
+            frame = preamble(KIND_MANIFEST, len(entries), len(manifest))
+            if not views:  # nothing to send from DRAM: no admission, no lease to fence
+                conn.send((frame, manifest), self._get_timeout_s)
+                return
+            # The read fence of the daemon's own copy: the lease is renewed right after the
+            # admission wait and the whole send is bounded by half of it, so no slot can be
+            # freed (and reused) while its bytes are still being sent.
+            with store.scheduler.admit(io, total):
+                try:
+                    store.renew(acq.lease_id)
+                except StrataError as exc:
+                    self._send_error(conn, exc)
+                    return
+                conn.send((frame, manifest, *views), self._get_timeout_s)
+            if any(
+                page is not None and dram.generation(page.offset) != page.generation
+                for page in acq.pages
+            ):  # not reached while the lease holds; if a clock jumped, end the connection
+                with store.counters.lock:
+                    store.counters.stale_fenced += 1
+                raise ProtocolError("a page left its slot while being sent")
+            store.counters.add_bytes("tcp", "out", io, total)
+        finally:
+            if acq.lease_id:
+                store.release(acq.lease_id)
+
+    # ---- put ---------------------------------------------------------------------------------
+
+    def _put(self, conn: _Conn, page_count: int, meta: bytearray, principal: Principal) -> None:
+        store = self._store
+        limits = store.config.limits
+        if page_count > limits.max_keys_per_call:
+            # refused before anything is decoded; what follows cannot be told apart
+            self._send_error(
+                conn,
+                InvalidArgument(
+                    f"{page_count} pages in one put; the limit is {limits.max_keys_per_call}"
+                ),
+            )
+            raise ProtocolError(f"a put of {page_count} pages")
+        try:
+            head, sizes = split_put_pages(meta, page_count, self._max_page)
+        except ProtocolError as exc:
+            self._send_error(conn, InvalidArgument(str(exc)))
+            raise
+        try:
+            raw_begin, headers = decode_put(head, page_count)
+            try:
+                begin = store_pb2.PutBegin.FromString(raw_begin)
+            except DecodeError:
+                raise InvalidArgument("malformed PutBegin") from None
+            if begin.page_count != page_count:
+                raise InvalidArgument(
+                    f"PutBegin announces {begin.page_count} pages, sent {page_count}"
+                )
+            scope = store.scope_of(begin.scope)
+            if not self._auth.open:
+                try:
+                    principal.check_write(scope.namespace)
+                except PermissionDenied:
+                    self._auth.denied(principal, "write")
+                    raise
+                self._auth.remember(scope.digest, scope.namespace)
+            io = io_class_from_wire(begin.io_class)
+            tier = tier_from_wire(begin.tier)
+            res = store.reserve(
+                scope,
+                headers,
+                self._reserve_ms,
+                io,
+                client=conn.name,
+                chain_prefix=begin.chain_prefix,
+            )
+        except StrataError as exc:
+            self._drain(conn, sum(sizes))
+            self._send_error(conn, exc)
+            return
+        lease = res.lease_id
+        try:
+            error = self._receive_pages(conn, res, sizes, io)
+            if error is None:
+                try:
+                    self._verify(res, headers)
+                    store.commit(res.lease_id, tier, io, path="tcp")
+                    lease = 0  # committed: the lease has ended
+                except StrataError as exc:
+                    error = exc
+            if error is not None:
+                self._send_error(conn, error)
+                return
+            statuses = bytes(
+                _STATUS["stored" if s.reserved else "pending" if s.pending else "present"]
+                for s in res.slots
+            )
+            conn.send(
+                (preamble(KIND_DONE, page_count, len(statuses)), statuses), self._put_timeout_s
+            )
+        finally:
+            if lease:
+                store.abort(lease)
+
+    def _receive_pages(
+        self, conn: _Conn, res: Reservation, sizes: Sequence[int], io: IoClass
+    ) -> StrataError | None:
+        """Receive every announced payload: a reserved page's straight into its slot, any other
+        dropped. InvalidArgument (returned, every byte read) for a payload whose announced size
+        is not its header's."""
+        dram = self._store.tiers.dram
+        deadline_s = self._put_timeout_s
+        error: StrataError | None = None
+        total = sum(s.length for s in res.slots if s.reserved)
+        with self._store.scheduler.admit(io, total):
+            start = time.monotonic()
+            for i, slot in enumerate(res.slots):
+                left = max(deadline_s - (time.monotonic() - start), 0.001)
+                if slot.reserved and slot.length == sizes[i]:
+                    if slot.length:
+                        conn.recv(dram.view(slot.offset, slot.length), left)
+                    continue
+                if slot.reserved and error is None:
+                    error = InvalidArgument(
+                        f"page {i}: {sizes[i]} payload bytes sent, its header says {slot.length}"
+                    )
+                self._drain(conn, sizes[i], left)
+        return error
+
+    def _drain(self, conn: _Conn, n_bytes: int, timeout_s: float | None = None) -> None:
+        """Read and drop `n_bytes` (payloads announced but not wanted)."""
+        if not n_bytes:
+            return
+        timeout = timeout_s if timeout_s is not None else self._put_timeout_s
+        scratch = bytearray(min(n_bytes, _DRAIN_STEP_BYTES))
+        view = memoryview(scratch)
+        start, left = time.monotonic(), n_bytes
+        while left:
+            n = min(left, len(scratch))
+            conn.recv(view[:n], max(timeout - (time.monotonic() - start), 0.001))
+            left -= n
+
+    def _verify(self, res: Reservation, headers: Sequence[bytes]) -> None:
+        """Check every received payload against its header; Corrupt (nothing stored) if any
+        fails."""
+        store = self._store
+        dram = store.tiers.dram
+        bad: list[int] = []
+        for i, slot in enumerate(res.slots):
+            if not slot.reserved:
+                continue
+            try:
+                PageHeader.decode(headers[i]).verify_payload(dram.view(slot.offset, slot.length))
+            except Corrupt:
+                bad.append(i)
+        if bad:
+            with store.counters.lock:
+                store.counters.corrupt_dropped += len(bad)
+            raise Corrupt(
+                f"{len(bad)} page(s) failed the payload checksum after the network receive "
+                f"(first: page {bad[0]}); nothing of this put was stored"
+            )
