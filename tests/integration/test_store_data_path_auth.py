@@ -22,7 +22,7 @@ from conftest import (
     tokens_of,
 )
 
-import kvstore.ucx_server
+import kvstore.tcp_server
 from client import StoreClient
 from client.contract.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from client.transports.ucx_protocol import (
@@ -195,7 +195,7 @@ def test_a_get_must_carry_a_scope_that_matches_its_digest(
 def test_a_connection_that_sends_no_hello_is_closed(
     daemon_factory: DaemonFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvstore.ucx_server, "HELLO_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(kvstore.tcp_server, "HELLO_TIMEOUT_S", 0.3)
     daemon = _daemon(daemon_factory, tmp_path, **{"server.tcp": "true"})
     host, port = parse_address(daemon.info.tcp_address)
     with socket.create_connection((host, port), timeout=10) as silent:
