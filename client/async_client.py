@@ -1,9 +1,13 @@
 """`AsyncStoreClient`: the asyncio (grpc.aio) twin of `StoreClient` (DESIGN §6).
 
-Same methods, same arguments, same typed results and errors, awaited. See client/store_client.py
-for the data paths, deadlines and retries; the logic both share lives in client/transports/_wire.py and
-client/transports/shm.py. Lease releases after a same-host get are background tasks, so a get costs one
-round trip; `close()` waits briefly for the outstanding ones.
+Same methods, same arguments, same data paths (same-host shared memory, UCX, TCP, gRPC streams),
+same typed results and errors, awaited. A thin asyncio shell over the client core (client/core/):
+the core builds the requests, picks the path, splits batches, decides retries and assembles the
+results, exactly as for `StoreClient`; this file connects and takes the core's I/O steps with
+awaits (`_drive`, `_take`). See client/store_client.py for the data paths, deadlines and
+retries. Control calls on the same host go over gRPC on the daemon's unix socket. Lease releases
+after a same-host get are background tasks, so a get costs one round trip; `close()` waits
+briefly for the outstanding ones.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
@@ -20,8 +24,7 @@ import grpc
 import grpc.aio
 
 from client.contract.errors import InvalidArgument, StrataError, Unavailable
-from client.contract.page import PageHeader
-from client.contract.scope import KEY_BYTES, Scope
+from client.contract.scope import Scope
 from client.contract.types import (
     Event,
     GetResult,
@@ -30,42 +33,45 @@ from client.contract.types import (
     NodeInfo,
     Page,
     PutResult,
-    PutStatus,
     StoreStats,
     Tier,
     WritableBuffer,
-    checked_tokens,
-    match_tokens,
-    tokens_le,
+)
+from client.core import admin
+from client.core import get as get_op
+from client.core import lookup as lookup_op
+from client.core import put as put_op
+from client.core.frames import GET_METHOD, PUT_METHOD
+from client.core.requests import check_node, scope_bytes
+from client.core.retry import RetryPolicy
+from client.core.route import Route, Settings, verifies
+from client.core.steps import (
+    BULK_FAILED,
+    BulkGet,
+    BulkPut,
+    Call,
+    Cancel,
+    CheckSegments,
+    CopyIn,
+    CopyOut,
+    Join,
+    Pause,
+    Plan,
+    Release,
+    Start,
+    Step,
+    StreamGet,
+    StreamPut,
 )
 from client.transports._wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    GET_METHOD,
-    PUT_METHOD,
     WATCH_TIMEOUT_S,
-    Deadline,
-    GetAssembler,
-    RetryPolicy,
     auth_metadata,
-    batch_ranges,
     channel_options,
-    check_node,
-    chunk_bytes_for,
-    destination_views,
     event_from_proto,
-    io_class_value,
-    lookup_from_proto,
-    malformed,
     map_rpc_error,
-    node_info_from_proto,
-    packed_keys,
-    payload_views,
-    put_messages,
-    put_statuses_from_proto,
     raw_bytes,
     resolve_token,
-    scope_bytes,
-    stats_from_proto,
     tune_malloc,
 )
 from client.transports.shm import (
@@ -76,6 +82,8 @@ from client.transports.shm import (
     write_reserved,
 )
 from client.transports.tls import TlsOptions, open_aio_channel, open_channel, resolve_tls
+from client.transports.ucx_protocol import TCP_SCHEME
+from client.transports.ucx_transport import TransportFailed, UcxLink, UcxTransport
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
 
@@ -85,7 +93,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-Transport = Literal["shm", "grpc"]
+Transport = Literal["shm", "grpc", "ucx", "tcp"]
 _LOCAL_PROBE_S = 2.0
 
 
@@ -113,7 +121,8 @@ class _Connection:
 
 
 class AsyncStoreClient:
-    """asyncio client of one store daemon at `address`; see `StoreClient` for the arguments.
+    """asyncio client of one store daemon at `address`; see `StoreClient` for the arguments
+    (`shared_memory`, `ucx`, `tcp`, `tls`, `token`: the same modes, the same errors).
 
     Use it from one event loop: the channel is made, lazily, in the loop of the first call.
     """
@@ -127,6 +136,8 @@ class AsyncStoreClient:
         retries: int = 2,
         io_class: IoClass = IoClass.NORMAL,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        ucx: bool | None = None,
+        tcp: bool | None = None,
         tls: TlsOptions | bool | None = None,
         token: str | None = None,
     ) -> None:
@@ -138,9 +149,12 @@ class AsyncStoreClient:
         self._metadata = auth_metadata(self._token)  # on every call
         self._shared_memory = shared_memory
         self._timeout_s = timeout_s
-        self._policy = RetryPolicy(retries)
-        self._io_class = IoClass(io_class)
+        self._settings = Settings(
+            timeout_s, RetryPolicy(retries), IoClass(io_class), max_message_bytes
+        )
         self._max_message_bytes = max_message_bytes
+        self._ucx = UcxLink(ucx, address, tcp, self._tls, self._token)
+        self._bulk_conn: _Connection | None = None  # the connection the bulk path was opened for
         self._lock = asyncio.Lock()
         self._conn: _Connection | None = None
         self._closed = False
@@ -162,10 +176,15 @@ class AsyncStoreClient:
 
     @property
     def transport(self) -> Transport:
-        """The data path chosen at connect: "shm" or "grpc". StrataError before connecting."""
+        """The data path: "shm", "ucx", "tcp" or "grpc" (the bulk path is settled by the first
+        put or get; until then "grpc"). StrataError before connecting."""
         conn = self._conn
         if conn is None:
             raise StrataError("not connected yet: call connect() first")
+        if conn.transport == "grpc" and self._bulk_conn is conn:
+            bulk = self._ucx_for(conn)
+            if bulk is not None:
+                return "tcp" if bulk.address.startswith(TCP_SCHEME) else "ucx"
         return conn.transport
 
     async def close(self) -> None:
@@ -180,6 +199,7 @@ class AsyncStoreClient:
             await asyncio.wait(pending, timeout=min(self._timeout_s, _LOCAL_PROBE_S))
             for task in pending:
                 task.cancel()
+        await asyncio.to_thread(self._ucx.close)
         if conn is not None:
             await conn.close()
         if self._put_channel is not None:
@@ -197,30 +217,16 @@ class AsyncStoreClient:
     async def node_info(self) -> NodeInfo:
         """Fresh identity, capacities and limits of the node. Read-only; retried."""
         conn = await self._ready()
-        reply = await self._call(conn.stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
-        return node_info_from_proto(reply)
+        return await self._drive(conn.stub, conn, admin.node_info(self._settings))
 
     async def lookup(self, scope: Scope, keys: Sequence[bytes]) -> LookupResult:
         """Longest present prefix of the key chain `keys`; see `StoreClient.lookup`."""
-        packed = packed_keys(keys)
+        packed = lookup_op.checked_lookup(keys)
         if not keys:
             return LookupResult(hit_count=0, tiers=())
         conn = await self._ready()
-        hits = 0
-        tiers: list[Tier] = []
-        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
-            request = pb.LookupRequest(
-                scope_digest=scope.digest,
-                keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
-                scope=scope_bytes(scope),
-            )
-            reply = await self._call(conn.stub, "Lookup", request, pb.LookupResponse)
-            part = lookup_from_proto(reply, len(r))
-            hits += part.hit_count
-            tiers.extend(part.tiers)
-            if part.hit_count < len(r):
-                break
-        return LookupResult(hit_count=hits, tiers=tuple(tiers))
+        plan = lookup_op.lookup(scope, keys, packed, Route(conn.node.limits), self._settings)
+        return await self._drive(conn.stub, conn, plan)
 
     async def put(
         self,
@@ -234,25 +240,20 @@ class AsyncStoreClient:
     ) -> PutResult:
         """Publish `pages`; one status per page. See `StoreClient.put` (and its
         `chain_prefixes`)."""
-        views = payload_views(scope, pages)
+        args = put_op.checked_put(scope, pages, chain_prefixes, prefix_tokens)
         if not pages:
             return PutResult(statuses=())
         conn = await self._ready()
-        io = self._io(io_class)
-        same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
-        prefix = [tokens_le(p) for p in (*chain_prefixes, prefix_tokens) if p]
-        statuses: list[PutStatus] = []
-        for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
-            part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]
-            if same_host:
-                statuses.extend(
-                    await self._put_shm(conn, scope, part_pages, part_views, io, prefix)
-                )
-            else:
-                statuses.extend(
-                    await self._put_grpc(conn, scope, part_pages, part_views, io, tier, prefix)
-                )
-        return PutResult(statuses=tuple(statuses))
+        plan = put_op.put(
+            scope,
+            args,
+            await self._route(conn),
+            self._settings,
+            io=self._settings.io(io_class),
+            tier=tier,
+            client_pid=os.getpid(),
+        )
+        return await self._drive(conn.stub, conn, plan)
 
     async def get(
         self,
@@ -265,56 +266,36 @@ class AsyncStoreClient:
         verify: bool | None = None,
     ) -> GetResult:
         """Copy each present page's payload into `into[i]`. See `StoreClient.get`."""
-        packed = packed_keys(keys)
-        views = destination_views(scope, keys, into)
-        expected = checked_tokens(scope, keys, tokens)
+        args = get_op.checked_get(scope, keys, into, tokens)
         if not keys:
             return GetResult(headers=())
         conn = await self._ready()
-        io = self._io(io_class)
-        check = verify if verify is not None else not conn.maps
-        headers: list[PageHeader | bytes | None] = []
-        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
-            part = (
-                conn,
-                scope,
-                keys[r.start : r.stop],
-                packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
-                views[r.start : r.stop],
-                io,
-                check,
-            )
-            if conn.maps:
-                headers.extend(await self._get_shm(*part))
-            else:
-                headers.extend(await self._get_grpc(*part))
-        matched, rejected = match_tokens(scope, headers, expected)
-        return GetResult(matched, rejected)
+        route = await self._route(conn)
+        plan = get_op.get(
+            scope,
+            args,
+            route,
+            self._settings,
+            io=self._settings.io(io_class),
+            verify=verifies(route, verify),
+        )
+        fetched = await self._drive(conn.stub, conn, plan)
+        self.corrupt_pages += fetched.corrupt
+        return fetched.result
 
     async def delete(self, scope: Scope | None = None, keys: Sequence[bytes] | None = None) -> int:
         """Delete the pages `keys`, or every page of `scope` (exactly one); the count deleted."""
-        if (scope is None) == (keys is None):
-            raise InvalidArgument("delete takes exactly one of scope or keys")
-        if scope is not None:
-            conn = await self._ready()
-            request = pb.DeleteRequest(scope_digest=scope.digest, scope=scope_bytes(scope))
-            return (await self._call(conn.stub, "Delete", request, pb.DeleteResponse)).deleted
-        assert keys is not None
-        packed = packed_keys(keys)
-        if not keys:
+        packed = admin.checked_delete(scope, keys)
+        if scope is None and not keys:
             return 0
         conn = await self._ready()
-        deleted = 0
-        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
-            request = pb.DeleteRequest(keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES])
-            deleted += (await self._call(conn.stub, "Delete", request, pb.DeleteResponse)).deleted
-        return deleted
+        plan = admin.delete(scope, keys or (), packed, conn.node.limits, self._settings)
+        return await self._drive(conn.stub, conn, plan)
 
     async def stats(self) -> StoreStats:
         """Daemon-wide counters. Read-only; retried."""
         conn = await self._ready()
-        reply = await self._call(conn.stub, "Stats", pb.StatsRequest(), pb.StatsResponse)
-        return stats_from_proto(reply)
+        return await self._drive(conn.stub, conn, admin.stats(self._settings))
 
     def watch(
         self, scope: Scope | None = None, *, timeout_s: float | None = WATCH_TIMEOUT_S
@@ -322,20 +303,87 @@ class AsyncStoreClient:
         """Events of `scope` (every scope when None); see `StoreClient.watch`."""
         return self._events(scope, timeout_s)
 
-    # ---- data paths ------------------------------------------------------------------------
+    # ---- the driver: the core's steps, taken with awaits -----------------------------------
 
-    async def _put_grpc(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        pages: Sequence[Page],
-        views: Sequence[memoryview],
-        io: IoClass,
-        tier: Tier | None,
-        chain_prefix: list[bytes],
-    ) -> tuple[PutStatus, ...]:
+    async def _drive(self, stub: StoreAsyncStub, conn: _Connection | None, plan: Plan[R]) -> R:
+        """Run `plan` to its result: take each step it yields, send back what the step gave or
+        throw in its failure as a typed error (`conn` None: control calls on `stub` only)."""
+        sent: object = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.send(sent) if error is None else plan.throw(error)
+            except StopIteration as done:
+                return cast(R, done.value)
+            error = None
+            try:
+                sent = await self._take(stub, conn, step)
+            except grpc.RpcError as exc:
+                error = map_rpc_error(exc)
+                error.__cause__ = exc
+            except BaseException as exc:
+                error = exc
+
+    async def _take(self, stub: StoreAsyncStub, conn: _Connection | None, step: Step) -> object:
+        if isinstance(step, Call):
+            function = getattr(stub, step.method)
+            return await function(step.request, timeout=step.timeout_s, metadata=self._metadata)
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+            return None
+        if conn is None:
+            raise StrataError(f"{type(step).__name__} needs a connection")
+        match step:
+            case CheckSegments(lease_id=lease_id):
+                await self._check_segments(conn, lease_id)
+                return None
+            case CopyOut():
+                return read_acquired(
+                    step.reply, conn.maps, step.scope, step.keys, step.into, verify=step.verify
+                )
+            case CopyIn():
+                return write_reserved(step.reply, conn.maps, step.payloads)
+            case Release(lease_id=lease_id):
+                self._release_later(conn, lease_id)
+                return None
+            case Start():
+                function = getattr(stub, step.method)
+                started = function(step.request, timeout=step.timeout_s, metadata=self._metadata)
+                return asyncio.ensure_future(started)
+            case Join(handle=handle):
+                return await cast("asyncio.Future[object]", handle)
+            case Cancel(handle=handle):
+                cast("asyncio.Future[object]", handle).cancel()
+                return None
+            case StreamGet():
+                await self._stream_get(conn, step)
+                return None
+            case StreamPut():
+                return await self._stream_put(conn, step)
+            case BulkGet():
+                return await self._bulk_get(conn, step)
+            case BulkPut():
+                return await self._bulk_put(conn, step)
+        raise AssertionError(f"unknown step {step!r}")
+
+    async def _stream_get(self, conn: _Connection, step: StreamGet) -> None:
         tune_malloc()
-        chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
+        # Replies are decoded by hand, straight from the received bytes into the buffers.
+        get = conn.channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=raw_bytes,
+        )
+        call = get(step.request, timeout=step.timeout_s, metadata=self._metadata)
+        try:
+            async for raw in call:
+                step.assembler.feed_message(raw)
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def _stream_put(self, conn: _Connection, step: StreamPut) -> object:
+        tune_malloc()
         # The stream runs on a blocking channel in a worker thread: grpc.aio reports a write that
         # races the daemon's early answer (say RESOURCE_EXHAUSTED) as INTERNAL and loses the real
         # status, while the blocking stub returns the daemon's status. Messages are built by hand
@@ -349,120 +397,73 @@ class AsyncStoreClient:
             request_serializer=raw_bytes,
             response_deserializer=pb.PutResponse.FromString,
         )
+        return await asyncio.to_thread(
+            put, step.messages, timeout=step.timeout_s, metadata=self._metadata
+        )
 
-        async def attempt(timeout: float) -> pb.PutResponse:
-            requests = put_messages(
-                scope,
-                pages,
-                views,
-                io_class=io,
-                tier=tier,
-                chunk_bytes=chunk,
-                chain_prefix=chain_prefix,
+    async def _bulk_get(self, conn: _Connection, step: BulkGet) -> object:
+        ucx = await self._bulk(conn)
+        if ucx is None:
+            return BULK_FAILED
+        try:
+            outcome = await asyncio.to_thread(
+                ucx.get,
+                step.request,
+                step.scope_digest,
+                step.keys,
+                step.into,
+                verify=step.verify,
+                timeout_s=step.timeout_s,
             )
-            reply = await asyncio.to_thread(put, requests, timeout=timeout, metadata=self._metadata)
-            if not isinstance(reply, pb.PutResponse):
-                raise malformed(f"Put answered {type(reply).__name__}")
-            return reply
+        except TransportFailed as exc:
+            await asyncio.to_thread(self._ucx.give_up, exc)
+            return BULK_FAILED
+        return outcome.headers, outcome.corrupt
 
-        return put_statuses_from_proto(await self._retry("Put", attempt), len(pages))
-
-    async def _put_shm(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        pages: Sequence[Page],
-        views: Sequence[memoryview],
-        io: IoClass,
-        chain_prefix: list[bytes],
-    ) -> tuple[PutStatus, ...]:
-        request = pb.ReserveRequest(
-            scope=scope.encode(),
-            headers=[p.header.encode() for p in pages],
-            io_class=io_class_value(io),
-            client_pid=os.getpid(),
-            chain_prefix=chain_prefix,
-        )
-        reply = await self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
-        await self._check_segments(conn, reply.lease_id)
+    async def _bulk_put(self, conn: _Connection, step: BulkPut) -> object:
+        ucx = await self._bulk(conn)
+        if ucx is None:
+            return BULK_FAILED
         try:
-            statuses = write_reserved(reply, conn.maps, views)
-            if reply.lease_id:
-                commit = pb.CommitRequest(lease_id=reply.lease_id)
-                await self._call(conn.stub, "Commit", commit, pb.CommitResponse)
-        except BaseException:
-            if reply.lease_id:
-                self._release_later(conn, reply.lease_id)
-            raise
-        return statuses
-
-    async def _get_grpc(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        keys: Sequence[bytes],
-        packed: bytes,
-        views: Sequence[memoryview],
-        io: IoClass,
-        verify: bool,
-    ) -> tuple[PageHeader | None, ...]:
-        tune_malloc()
-        request = pb.GetRequest(
-            scope_digest=scope.digest,
-            keys=packed,
-            io_class=io_class_value(io),
-            scope=scope_bytes(scope),
-        )
-        # Replies are decoded by hand, straight from the received bytes into `views`.
-        get = conn.channel.unary_stream(
-            GET_METHOD,
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=raw_bytes,
-        )
-
-        async def attempt(timeout: float) -> GetAssembler:
-            assembler = GetAssembler(scope, keys, views, verify=verify)
-            call = get(request, timeout=timeout, metadata=self._metadata)
-            try:
-                async for raw in call:
-                    assembler.feed_message(raw)
-            except BaseException:
-                call.cancel()
-                raise
-            return assembler
-
-        assembler = await self._retry("Get", attempt)
-        headers = assembler.finish()
-        self.corrupt_pages += assembler.corrupt
-        return headers
-
-    async def _get_shm(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        keys: Sequence[bytes],
-        packed: bytes,
-        views: Sequence[memoryview],
-        io: IoClass,
-        verify: bool,
-    ) -> tuple[PageHeader | bytes | None, ...]:
-        request = pb.AcquireRequest(
-            scope_digest=scope.digest,
-            keys=packed,
-            io_class=io_class_value(io),
-            scope=scope_bytes(scope),
-        )
-        reply = await self._call(conn.stub, "Acquire", request, pb.AcquireResponse)
-        await self._check_segments(conn, reply.lease_id)
-        try:
-            headers, corrupt = read_acquired(reply, conn.maps, scope, keys, views, verify=verify)
-        finally:
-            if reply.lease_id:
-                self._release_later(conn, reply.lease_id)
-        self.corrupt_pages += corrupt
-        return headers
+            return await asyncio.to_thread(
+                ucx.put, step.begin, step.headers, step.payloads, timeout_s=step.timeout_s
+            )
+        except TransportFailed as exc:
+            await asyncio.to_thread(self._ucx.give_up, exc)
+            return BULK_FAILED
 
     # ---- plumbing --------------------------------------------------------------------------
+
+    async def _route(self, conn: _Connection) -> Route:
+        """What `conn` offers a put or a get (the bulk path is settled on first ask)."""
+        return Route(
+            limits=conn.node.limits,
+            same_host=bool(conn.maps),
+            bulk=await self._bulk(conn) is not None,
+            pipelined=True,
+        )
+
+    async def _bulk(self, conn: _Connection) -> UcxTransport | None:
+        """The UCX or TCP transport of the remote path of `conn`, or None (use gRPC); opened
+        (a connect, in a worker thread) on first ask."""
+        if conn.maps or self._ucx.off:
+            return None
+        if self._bulk_conn is conn:
+            return self._ucx_for(conn)  # opened already: no I/O
+        transport = await asyncio.to_thread(self._ucx_for, conn)
+        self._bulk_conn = conn
+        return transport
+
+    def _ucx_for(self, conn: _Connection) -> UcxTransport | None:
+        if conn.maps or self._ucx.off:
+            return None
+        return self._ucx.transport(
+            conn,
+            conn.node.ucx_address or "",
+            tcp_address=conn.node.tcp_address or "",
+            timeout_s=self._timeout_s,
+            max_page_bytes=conn.node.limits.max_page_bytes,
+        )
 
     async def _ready(self) -> _Connection:
         conn = self._conn
@@ -479,8 +480,7 @@ class AsyncStoreClient:
         channel = open_aio_channel(self.address, options, self._tls)
         try:
             stub = _async_stub(channel)
-            reply = await self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
-            node = node_info_from_proto(reply)
+            node = await self._drive(stub, None, admin.node_info(self._settings))
             check_node(node)
             maps = map_node_segments(node, self._shared_memory)
         except BaseException:
@@ -542,36 +542,6 @@ class AsyncStoreClient:
         await conn.close()
         raise Unavailable("the store's shared-memory segment changed (daemon restarted?)")
 
-    async def _call(
-        self, stub: StoreAsyncStub, method: str, request: object, reply_type: type[R]
-    ) -> R:
-        function = getattr(stub, method)
-
-        async def attempt(timeout: float) -> R:
-            reply = await function(request, timeout=timeout, metadata=self._metadata)
-            if not isinstance(reply, reply_type):
-                raise malformed(f"{method} answered {type(reply).__name__}")
-            return reply
-
-        return await self._retry(method, attempt)
-
-    async def _retry(self, method: str, attempt: Callable[[float], Awaitable[R]]) -> R:
-        deadline = Deadline(self._timeout_s)
-        attempts = self._policy.attempts_for(method)
-        for n in range(attempts):
-            try:
-                return await attempt(max(deadline.remaining_s(), 0.001))
-            except grpc.RpcError as exc:
-                error, cause = map_rpc_error(exc), exc
-            except StrataError as exc:
-                error, cause = exc, None
-            delay = self._policy.delay_s(n, error, deadline) if n + 1 < attempts else None
-            if delay is None:
-                raise error from cause
-            log.debug("%s failed (%s); retrying in %.3f s", method, error, delay)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
-
     def _release_later(self, conn: _Connection, lease_id: int) -> None:
         """Send Release in a background task; the get does not wait for the reply."""
         task = asyncio.get_running_loop().create_task(self._release(conn, lease_id))
@@ -587,9 +557,6 @@ class AsyncStoreClient:
             )
         except Exception as exc:  # the lease runs out on its own
             log.debug("release of lease %d failed: %s", lease_id, exc)
-
-    def _io(self, io_class: IoClass | None) -> IoClass:
-        return IoClass(io_class) if io_class is not None else self._io_class
 
     async def _events(self, scope: Scope | None, timeout_s: float | None) -> AsyncIterator[Event]:
         conn = await self._ready()

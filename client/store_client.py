@@ -1,8 +1,14 @@
 """`StoreClient`: the blocking client of one store daemon (DESIGN §6).
 
+A thin blocking shell over the client core (client/core/): the core builds every request, picks
+the data path, splits batches, decides retries and assembles results; this file connects, takes
+the core's I/O steps with blocking calls (`_drive`, `_take`) and keeps the connection's state
+(the lane, the mapped segments, the bulk path, lease releases in flight).
+
 It picks its data path when it connects: the same-host path (the daemon's shared-memory segment
-mapped here; only control messages over gRPC, on the daemon's unix socket when it has one) when
-the daemon runs on this host, else chunked gRPC streams. Both give the same results.
+mapped here; control messages over the daemon's same-host lane) when the daemon runs on this
+host, else the UCX or TCP bulk data path where both ends can, else chunked gRPC streams. All
+give the same results.
 
 Every call has a deadline (`timeout_s`, shared by all attempts of the call); only idempotent calls
 are retried (NodeInfo, Lookup, Get, Acquire, Release, Delete, Stats), with jittered backoff. A miss
@@ -17,20 +23,18 @@ patching and before creating any client; gRPC then cooperates with the gevent hu
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, cast
 
 import grpc
 
 from client.contract.errors import InvalidArgument, StrataError, Unavailable
-from client.contract.page import PageHeader
-from client.contract.scope import KEY_BYTES, Scope
+from client.contract.scope import Scope
 from client.contract.types import (
     Event,
     GetResult,
@@ -39,47 +43,50 @@ from client.contract.types import (
     NodeInfo,
     Page,
     PutResult,
-    PutStatus,
     StoreStats,
     Tier,
     WritableBuffer,
-    checked_tokens,
-    match_tokens,
-    tokens_le,
+)
+from client.core import admin
+from client.core import get as get_op
+from client.core import lookup as lookup_op
+from client.core import put as put_op
+from client.core.frames import GET_METHOD, PUT_METHOD
+from client.core.requests import check_node, scope_bytes
+from client.core.retry import Deadline, RetryPolicy
+from client.core.route import Route, Settings, verifies
+from client.core.steps import (
+    BULK_FAILED,
+    BulkGet,
+    BulkPut,
+    Call,
+    Cancel,
+    CheckSegments,
+    CopyIn,
+    CopyOut,
+    Join,
+    Pause,
+    Plan,
+    Release,
+    Start,
+    Step,
+    StreamGet,
+    StreamPut,
 )
 from client.transports._wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
-    GET_METHOD,
-    PUT_METHOD,
     WATCH_TIMEOUT_S,
-    Deadline,
-    GetAssembler,
-    RetryPolicy,
     auth_metadata,
-    batch_ranges,
     channel_options,
-    check_node,
-    chunk_bytes_for,
-    destination_views,
     event_from_proto,
-    io_class_value,
-    lookup_from_proto,
-    malformed,
     map_rpc_error,
-    node_info_from_proto,
-    packed_keys,
-    payload_views,
-    put_messages,
-    put_statuses_from_proto,
     raw_bytes,
     resolve_token,
-    scope_bytes,
-    stats_from_proto,
     tune_malloc,
     with_token,
 )
 from client.transports.hostid import host_id
-from client.transports.lane import Lane, LaneCall, LaneError, LaneStub
+from client.transports.lane import Lane, LaneError, LaneStub
 from client.transports.lane_protocol import SCHEME as LANE_SCHEME
 from client.transports.shm import (
     SegmentMap,
@@ -100,10 +107,13 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 Transport = Literal["shm", "grpc", "ucx", "tcp"]
 _LOCAL_PROBE_S = 2.0
-# Same-host puts of at least this many pages go as two halves in flight at once: the daemon
-# reserves (then commits) one half while this client copies the other.
-_PIPELINE_MIN_PAGES = 16
-_PIPELINE_PARTS = 2  # four measured no better
+
+
+class _Pending(Protocol):
+    """A control call in flight (a lane call or a gRPC future)."""
+
+    def result(self) -> object: ...
+    def cancel(self) -> object: ...
 
 
 class _EventStream(Protocol):
@@ -175,8 +185,9 @@ class StoreClient:
         self.address = address
         self._shared_memory = shared_memory
         self._timeout_s = timeout_s
-        self._policy = RetryPolicy(retries)
-        self._io_class = IoClass(io_class)
+        self._settings = Settings(
+            timeout_s, RetryPolicy(retries), IoClass(io_class), max_message_bytes
+        )
         self._max_message_bytes = max_message_bytes
         self._tls = resolve_tls(tls)
         self._token = resolve_token(token)
@@ -245,33 +256,19 @@ class StoreClient:
     def node_info(self) -> NodeInfo:
         """Fresh identity, capacities and limits of the node. Read-only; retried."""
         conn = self._ready()
-        reply = self._call(conn.stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
-        return node_info_from_proto(reply)
+        return self._drive(conn.stub, conn, admin.node_info(self._settings))
 
     def lookup(self, scope: Scope, keys: Sequence[bytes]) -> LookupResult:
         """Longest present prefix of the key chain `keys`, with the tier of each hit.
 
         Read-only; retried. InvalidArgument for a malformed key (before any RPC).
         """
-        packed = packed_keys(keys)
+        packed = lookup_op.checked_lookup(keys)
         if not keys:
             return LookupResult(hit_count=0, tiers=())
         conn = self._ready()
-        hits = 0
-        tiers: list[Tier] = []
-        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
-            request = pb.LookupRequest(
-                scope_digest=scope.digest,
-                keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
-                scope=scope_bytes(scope),
-            )
-            reply = self._call(conn.stub, "Lookup", request, pb.LookupResponse)
-            part = lookup_from_proto(reply, len(r))
-            hits += part.hit_count
-            tiers.extend(part.tiers)
-            if part.hit_count < len(r):
-                break
-        return LookupResult(hit_count=hits, tiers=tuple(tiers))
+        plan = lookup_op.lookup(scope, keys, packed, Route(conn.node.limits), self._settings)
+        return self._drive(conn.stub, conn, plan)
 
     def put(
         self,
@@ -298,27 +295,20 @@ class StoreClient:
         any RPC) for a page of another scope or layout, or a payload of the wrong size;
         CapacityExhausted when the store is full (see `retry_after_s`).
         """
-        views = payload_views(scope, pages)
+        args = put_op.checked_put(scope, pages, chain_prefixes, prefix_tokens)
         if not pages:
             return PutResult(statuses=())
         conn = self._ready()
-        io = self._io(io_class)
-        same_host = bool(conn.maps) and tier in (None, Tier.DRAM)
-        prefix = [tokens_le(p) for p in (*chain_prefixes, prefix_tokens) if p]
-        statuses: list[PutStatus] = []
-        for r in batch_ranges(len(pages), conn.node.limits.max_keys_per_call):
-            part_pages, part_views = pages[r.start : r.stop], views[r.start : r.stop]
-            if same_host:
-                statuses.extend(self._put_shm(conn, scope, part_pages, part_views, io, prefix))
-            elif (ucx := self._ucx_for(conn)) is not None:
-                statuses.extend(
-                    self._put_ucx(ucx, conn, scope, part_pages, part_views, io, tier, prefix)
-                )
-            else:
-                statuses.extend(
-                    self._put_grpc(conn, scope, part_pages, part_views, io, tier, prefix)
-                )
-        return PutResult(statuses=tuple(statuses))
+        plan = put_op.put(
+            scope,
+            args,
+            self._route(conn),
+            self._settings,
+            io=self._settings.io(io_class),
+            tier=tier,
+            client_pid=os.getpid(),
+        )
+        return self._drive(conn.stub, conn, plan)
 
     def get(
         self,
@@ -339,63 +329,42 @@ class StoreClient:
         itself (a tool that reads pages by key, knowing no tokens) — never use it to serve KV.
 
         Read-only (leases are taken and released within the call); retried. `verify` None checks
-        payload checksums on the gRPC path only (the daemon verifies what it reads from SSD).
-        InvalidArgument (before any RPC) unless `into` has one writable, C-contiguous buffer of at
-        least a page per key and `tokens` one full page of ids per key. A miss leaves its
-        buffer's contents unspecified.
+        payload checksums off the same-host path only (the daemon verifies what it reads from
+        SSD). InvalidArgument (before any RPC) unless `into` has one writable, C-contiguous
+        buffer of at least a page per key and `tokens` one full page of ids per key. A miss
+        leaves its buffer's contents unspecified.
         """
-        packed = packed_keys(keys)
-        views = destination_views(scope, keys, into)
-        expected = checked_tokens(scope, keys, tokens)
+        args = get_op.checked_get(scope, keys, into, tokens)
         if not keys:
             return GetResult(headers=())
         conn = self._ready()
-        io = self._io(io_class)
-        check = verify if verify is not None else not conn.maps
-        headers: list[PageHeader | bytes | None] = []
-        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
-            part = (
-                conn,
-                scope,
-                keys[r.start : r.stop],
-                packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
-                views[r.start : r.stop],
-                io,
-                check,
-            )
-            if conn.maps:
-                headers.extend(self._get_shm(*part))
-            elif (ucx := self._ucx_for(conn)) is not None:
-                headers.extend(self._get_ucx(ucx, *part))
-            else:
-                headers.extend(self._get_grpc(*part))
-        matched, rejected = match_tokens(scope, headers, expected)
-        return GetResult(matched, rejected)
+        route = self._route(conn)
+        plan = get_op.get(
+            scope,
+            args,
+            route,
+            self._settings,
+            io=self._settings.io(io_class),
+            verify=verifies(route, verify),
+        )
+        fetched = self._drive(conn.stub, conn, plan)
+        self._count_corrupt(fetched.corrupt)
+        return fetched.result
 
     def delete(self, scope: Scope | None = None, keys: Sequence[bytes] | None = None) -> int:
         """Delete the pages `keys`, or every page of `scope` (exactly one of the two); returns
         how many were deleted. Mutates; retried (deleting twice deletes nothing more)."""
-        if (scope is None) == (keys is None):
-            raise InvalidArgument("delete takes exactly one of scope or keys")
-        if scope is not None:
-            conn = self._ready()
-            request = pb.DeleteRequest(scope_digest=scope.digest, scope=scope_bytes(scope))
-            return self._call(conn.stub, "Delete", request, pb.DeleteResponse).deleted
-        assert keys is not None
-        packed = packed_keys(keys)
-        if not keys:
+        packed = admin.checked_delete(scope, keys)
+        if scope is None and not keys:
             return 0
         conn = self._ready()
-        deleted = 0
-        for r in batch_ranges(len(keys), conn.node.limits.max_keys_per_call):
-            request = pb.DeleteRequest(keys=packed[r.start * KEY_BYTES : r.stop * KEY_BYTES])
-            deleted += self._call(conn.stub, "Delete", request, pb.DeleteResponse).deleted
-        return deleted
+        plan = admin.delete(scope, keys or (), packed, conn.node.limits, self._settings)
+        return self._drive(conn.stub, conn, plan)
 
     def stats(self) -> StoreStats:
         """Daemon-wide counters. Read-only; retried."""
         conn = self._ready()
-        return stats_from_proto(self._call(conn.stub, "Stats", pb.StatsRequest(), pb.StatsResponse))
+        return self._drive(conn.stub, conn, admin.stats(self._settings))
 
     def watch(
         self, scope: Scope | None = None, *, timeout_s: float | None = WATCH_TIMEOUT_S
@@ -414,265 +383,133 @@ class StoreClient:
         )
         return self._events(conn.stub.Watch(request, timeout=timeout_s))
 
-    # ---- data paths ------------------------------------------------------------------------
+    # ---- the driver: the core's steps, taken with blocking calls ----------------------------
 
-    def _put_grpc(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        pages: Sequence[Page],
-        views: Sequence[memoryview],
-        io: IoClass,
-        tier: Tier | None,
-        chain_prefix: list[bytes],
-    ) -> tuple[PutStatus, ...]:
+    def _drive(self, stub: StoreStub, conn: _Connection | None, plan: Plan[R]) -> R:
+        """Run `plan` to its result: take each step it yields, send back what the step gave or
+        throw in its failure as a typed error (`conn` None: control calls on `stub` only)."""
+        sent: object = None
+        error: BaseException | None = None
+        while True:
+            try:
+                step = plan.send(sent) if error is None else plan.throw(error)
+            except StopIteration as done:
+                return cast(R, done.value)
+            error = None
+            try:
+                sent = self._take(stub, conn, step)
+            except grpc.RpcError as exc:
+                error = map_rpc_error(exc)
+                error.__cause__ = exc
+            except BaseException as exc:
+                error = exc
+
+    def _take(self, stub: StoreStub, conn: _Connection | None, step: Step) -> object:
+        if isinstance(step, Call):
+            return getattr(stub, step.method)(step.request, timeout=step.timeout_s)
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+            return None
+        if conn is None:
+            raise StrataError(f"{type(step).__name__} needs a connection")
+        match step:
+            case CheckSegments(lease_id=lease_id):
+                self._check_segments(conn, lease_id)
+                return None
+            case CopyOut():
+                return read_acquired(
+                    step.reply, conn.maps, step.scope, step.keys, step.into, verify=step.verify
+                )
+            case CopyIn():
+                return write_reserved(step.reply, conn.maps, step.payloads)
+            case Release(lease_id=lease_id):
+                self._release_later(conn, lease_id)
+                return None
+            case Start():
+                method = getattr(stub, step.method)
+                if isinstance(stub, LaneStub):
+                    return method.start(step.request, step.timeout_s)
+                return method.future(step.request, timeout=step.timeout_s)
+            case Join(handle=handle):
+                return cast("_Pending", handle).result()
+            case Cancel(handle=handle):
+                cast("_Pending", handle).cancel()
+                return None
+            case StreamGet():
+                self._stream_get(conn, step)
+                return None
+            case StreamPut():
+                return self._stream_put(conn, step)
+            case BulkGet():
+                return self._bulk_get(conn, step)
+            case BulkPut():
+                return self._bulk_put(conn, step)
+        raise AssertionError(f"unknown step {step!r}")
+
+    def _stream_get(self, conn: _Connection, step: StreamGet) -> None:
         tune_malloc()
-        chunk = chunk_bytes_for(conn.node.limits, self._max_message_bytes)
+        # Replies are decoded by hand, straight from the received bytes into the buffers.
+        get = conn.channel.unary_stream(
+            GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=raw_bytes,
+        )
+        call = get(step.request, timeout=step.timeout_s, metadata=self._metadata)
+        try:
+            for raw in call:
+                step.assembler.feed_message(raw)
+        except BaseException:
+            call.cancel()
+            raise
+
+    def _stream_put(self, conn: _Connection, step: StreamPut) -> object:
+        tune_malloc()
         # Messages are built by hand (one copy of each payload), so the call sends them as is.
         put = conn.channel.stream_unary(
             PUT_METHOD,
             request_serializer=raw_bytes,
             response_deserializer=pb.PutResponse.FromString,
         )
+        return put(step.messages, timeout=step.timeout_s, metadata=self._metadata)
 
-        def attempt(timeout: float) -> pb.PutResponse:
-            requests = put_messages(
-                scope,
-                pages,
-                views,
-                io_class=io,
-                tier=tier,
-                chunk_bytes=chunk,
-                chain_prefix=chain_prefix,
-            )
-            reply = put(requests, timeout=timeout, metadata=self._metadata)
-            if not isinstance(reply, pb.PutResponse):
-                raise malformed(f"Put answered {type(reply).__name__}")
-            return reply
-
-        return put_statuses_from_proto(self._retry("Put", attempt), len(pages))
-
-    def _put_shm(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        pages: Sequence[Page],
-        views: Sequence[memoryview],
-        io: IoClass,
-        chain_prefix: list[bytes],
-    ) -> tuple[PutStatus, ...]:
-        if len(pages) >= _PIPELINE_MIN_PAGES and isinstance(conn.stub, LaneStub):
-            return self._put_shm_pipelined(conn, conn.stub, scope, pages, views, io, chain_prefix)
-        request = pb.ReserveRequest(
-            scope=scope.encode(),
-            headers=[p.header.encode() for p in pages],
-            io_class=io_class_value(io),
-            client_pid=os.getpid(),
-            chain_prefix=chain_prefix,
-        )
-        reply = self._call(conn.stub, "Reserve", request, pb.ReserveResponse)
-        self._check_segments(conn, reply.lease_id)
-        try:
-            statuses = write_reserved(reply, conn.maps, views)
-            if reply.lease_id:
-                commit = pb.CommitRequest(lease_id=reply.lease_id)
-                self._call(conn.stub, "Commit", commit, pb.CommitResponse)
-        except BaseException:
-            if reply.lease_id:
-                self._release_later(conn, reply.lease_id)
-            raise
-        return statuses
-
-    def _put_shm_pipelined(
-        self,
-        conn: _Connection,
-        lane: LaneStub,
-        scope: Scope,
-        pages: Sequence[Page],
-        views: Sequence[memoryview],
-        io: IoClass,
-        chain_prefix: list[bytes],
-    ) -> tuple[PutStatus, ...]:
-        """`_put_shm` as two halves in flight: the second half's reservation is asked for as
-        soon as the first's is granted (the daemon verifies a half's key chain from pages it
-        has reserved or stored, kvstore/chain.py); each half is copied as soon as its slots
-        arrive and its commit sent at once, so the daemon's work on one half overlaps the copy
-        of the other. All pages are visible when this returns; on any failure, whatever was
-        reserved and not committed is released."""
-        count = min(_PIPELINE_PARTS, len(pages) // (_PIPELINE_MIN_PAGES // 2))
-        bounds = [len(pages) * k // count for k in range(count + 1)]
-        parts = [(pages[a:b], views[a:b]) for a, b in itertools.pairwise(bounds)]
-        timeout = self._timeout_s
-
-        def start_reserve(part: Sequence[Page]) -> LaneCall:
-            request = pb.ReserveRequest(
-                scope=scope.encode(),
-                headers=[p.header.encode() for p in part],
-                io_class=io_class_value(io),
-                client_pid=os.getpid(),
-                chain_prefix=chain_prefix,
-            )
-            return lane.Reserve.start(request, timeout)
-
-        reserving = [start_reserve(parts[0][0])]
-        committing: list[LaneCall] = []
-        leases: list[int] = []  # reserved, not yet known to be committed
-        statuses: list[PutStatus] = []
-        try:
-            for k, (_, part_views) in enumerate(parts):
-                reply = cast(pb.ReserveResponse, reserving[k].result())
-                if reply.lease_id:
-                    leases.append(reply.lease_id)
-                if k + 1 < len(parts):
-                    reserving.append(start_reserve(parts[k + 1][0]))
-                self._check_segments(conn, reply.lease_id)
-                statuses.extend(write_reserved(reply, conn.maps, part_views))
-                if reply.lease_id:
-                    commit = pb.CommitRequest(lease_id=reply.lease_id)
-                    committing.append(lane.Commit.start(commit, timeout))
-            for call in committing:
-                call.result()
-            leases.clear()
-        except BaseException as exc:
-            for call in reserving:  # a reservation whose reply was not read: read and release
-                with contextlib.suppress(Exception):
-                    pending = cast(pb.ReserveResponse, call.result())
-                    if pending.lease_id:
-                        leases.append(pending.lease_id)
-            for call in committing:
-                call.cancel()
-            for lease_id in leases:  # a committed lease is unknown by now: releasing it is a no-op
-                self._release_later(conn, lease_id)
-            if isinstance(exc, grpc.RpcError):
-                raise map_rpc_error(exc) from exc
-            raise
-        return tuple(statuses)
-
-    def _get_grpc(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        keys: Sequence[bytes],
-        packed: bytes,
-        views: Sequence[memoryview],
-        io: IoClass,
-        verify: bool,
-    ) -> tuple[PageHeader | None, ...]:
-        tune_malloc()
-        request = pb.GetRequest(
-            scope_digest=scope.digest,
-            keys=packed,
-            io_class=io_class_value(io),
-            scope=scope_bytes(scope),
-        )
-        # Replies are decoded by hand, straight from the received bytes into `views`.
-        get = conn.channel.unary_stream(
-            GET_METHOD,
-            request_serializer=pb.GetRequest.SerializeToString,
-            response_deserializer=raw_bytes,
-        )
-
-        def attempt(timeout: float) -> GetAssembler:
-            assembler = GetAssembler(scope, keys, views, verify=verify)
-            call = get(request, timeout=timeout, metadata=self._metadata)
-            try:
-                for raw in call:
-                    assembler.feed_message(raw)
-            except BaseException:
-                call.cancel()
-                raise
-            return assembler
-
-        assembler = self._retry("Get", attempt)
-        headers = assembler.finish()
-        self._count_corrupt(assembler.corrupt)
-        return headers
-
-    def _get_shm(
-        self,
-        conn: _Connection,
-        scope: Scope,
-        keys: Sequence[bytes],
-        packed: bytes,
-        views: Sequence[memoryview],
-        io: IoClass,
-        verify: bool,
-    ) -> tuple[PageHeader | bytes | None, ...]:
-        request = pb.AcquireRequest(
-            scope_digest=scope.digest,
-            keys=packed,
-            io_class=io_class_value(io),
-            scope=scope_bytes(scope),
-        )
-        reply = self._call(conn.stub, "Acquire", request, pb.AcquireResponse)
-        self._check_segments(conn, reply.lease_id)
-        try:
-            headers, corrupt = read_acquired(reply, conn.maps, scope, keys, views, verify=verify)
-        finally:
-            if reply.lease_id:
-                self._release_later(conn, reply.lease_id)
-        self._count_corrupt(corrupt)
-        return headers
-
-    def _put_ucx(
-        self,
-        ucx: UcxTransport,
-        conn: _Connection,
-        scope: Scope,
-        pages: Sequence[Page],
-        views: Sequence[memoryview],
-        io: IoClass,
-        tier: Tier | None,
-        chain_prefix: list[bytes],
-    ) -> tuple[PutStatus, ...]:
-        begin = pb.PutBegin(
-            scope=scope.encode(),
-            io_class=io_class_value(io),
-            page_count=len(pages),
-            tier=pb.Tier.ValueType(int(tier) if tier is not None else 0),
-            chain_prefix=chain_prefix,
-        ).SerializeToString()
-        try:
-            return ucx.put(
-                begin, [p.header.encode() for p in pages], views, timeout_s=self._timeout_s
-            )
-        except TransportFailed as exc:
-            self._ucx.give_up(exc)
-        return self._put_grpc(conn, scope, pages, views, io, tier, chain_prefix)
-
-    def _get_ucx(
-        self,
-        ucx: UcxTransport,
-        conn: _Connection,
-        scope: Scope,
-        keys: Sequence[bytes],
-        packed: bytes,
-        views: Sequence[memoryview],
-        io: IoClass,
-        verify: bool,
-    ) -> tuple[PageHeader | None, ...]:
-        request = pb.GetRequest(
-            scope_digest=scope.digest,
-            keys=packed,
-            io_class=io_class_value(io),
-            scope=scope_bytes(scope),
-        )
+    def _bulk_get(self, conn: _Connection, step: BulkGet) -> object:
+        ucx = self._ucx_for(conn)
+        if ucx is None:
+            return BULK_FAILED
         try:
             outcome = ucx.get(
-                request.SerializeToString(),
-                scope.digest,
-                keys,
-                views,
-                verify=verify,
-                timeout_s=self._timeout_s,
+                step.request,
+                step.scope_digest,
+                step.keys,
+                step.into,
+                verify=step.verify,
+                timeout_s=step.timeout_s,
             )
         except TransportFailed as exc:
             self._ucx.give_up(exc)
-            return self._get_grpc(conn, scope, keys, packed, views, io, verify)
-        self._count_corrupt(outcome.corrupt)
-        return outcome.headers
+            return BULK_FAILED
+        return outcome.headers, outcome.corrupt
+
+    def _bulk_put(self, conn: _Connection, step: BulkPut) -> object:
+        ucx = self._ucx_for(conn)
+        if ucx is None:
+            return BULK_FAILED
+        try:
+            return ucx.put(step.begin, step.headers, step.payloads, timeout_s=step.timeout_s)
+        except TransportFailed as exc:
+            self._ucx.give_up(exc)
+            return BULK_FAILED
 
     # ---- plumbing --------------------------------------------------------------------------
+
+    def _route(self, conn: _Connection) -> Route:
+        """What `conn` offers a put or a get (the bulk path is settled on first ask)."""
+        return Route(
+            limits=conn.node.limits,
+            same_host=bool(conn.maps),
+            bulk=self._ucx_for(conn) is not None,
+            pipelined=isinstance(conn.stub, LaneStub),
+        )
 
     def _ucx_for(self, conn: _Connection) -> UcxTransport | None:
         """The UCX transport of the remote path of `conn`, or None (use gRPC)."""
@@ -700,9 +537,7 @@ class StoreClient:
         channel = open_channel(self.address, channel_options(self._max_message_bytes), self._tls)
         try:
             stub = with_token(StoreStub(channel), self._token)
-            node = node_info_from_proto(
-                self._call(stub, "NodeInfo", pb.NodeInfoRequest(), pb.NodeInfoResponse)
-            )
+            node = self._drive(stub, None, admin.node_info(self._settings))
             check_node(node)
             # a daemon of another user may hand its segment over the lane (auth.local_uids)
             handable = (
@@ -798,34 +633,6 @@ class StoreClient:
         conn.close()
         raise Unavailable("the store's shared-memory segment changed (daemon restarted?)")
 
-    def _call(self, stub: StoreStub, method: str, request: object, reply_type: type[R]) -> R:
-        function = getattr(stub, method)
-
-        def attempt(timeout: float) -> R:
-            reply = function(request, timeout=timeout)
-            if not isinstance(reply, reply_type):
-                raise malformed(f"{method} answered {type(reply).__name__}")
-            return reply
-
-        return self._retry(method, attempt)
-
-    def _retry(self, method: str, attempt: Callable[[float], R]) -> R:
-        deadline = Deadline(self._timeout_s)
-        attempts = self._policy.attempts_for(method)
-        for n in range(attempts):
-            try:
-                return attempt(max(deadline.remaining_s(), 0.001))
-            except grpc.RpcError as exc:
-                error, cause = map_rpc_error(exc), exc
-            except StrataError as exc:
-                error, cause = exc, None
-            delay = self._policy.delay_s(n, error, deadline) if n + 1 < attempts else None
-            if delay is None:
-                raise error from cause
-            log.debug("%s failed (%s); retrying in %.3f s", method, error, delay)
-            time.sleep(delay)
-        raise AssertionError("unreachable")
-
     def _release_later(self, conn: _Connection, lease_id: int) -> None:
         """Send Release without waiting for the reply; reaped later or at close."""
         try:
@@ -843,9 +650,6 @@ class StoreClient:
         if count:
             with self._counter_lock:
                 self.corrupt_pages += count
-
-    def _io(self, io_class: IoClass | None) -> IoClass:
-        return IoClass(io_class) if io_class is not None else self._io_class
 
     def _events(self, call: _EventStream) -> Iterator[Event]:
         try:

@@ -1,0 +1,266 @@
+"""The plan of a put: pages published over the path the route offers, batched by the node's
+limit; one status per page.
+
+Pure: yields steps (client/core/steps.py). Same host: Reserve, the copy into the reserved
+slots, Commit; a reservation not committed is released. A put of at least `PIPELINE_MIN_PAGES`
+goes, where the shell can keep two calls in flight, as two halves overlapped (the daemon
+reserves, then commits, one half while the other is copied). Bulk (UCX or TCP): one transfer;
+should the path itself fail, this batch and the rest go over gRPC. gRPC: one Put stream per
+batch. A put is never retried (it is not idempotent).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from client.contract.scope import Scope
+from client.contract.types import IoClass, Page, PutResult, PutStatus, Tier, tokens_le
+from client.core.frames import chunk_bytes_for, put_messages
+from client.core.replies import put_statuses_from_proto
+from client.core.requests import (
+    batch_ranges,
+    io_class_value,
+    malformed,
+    payload_views,
+    tier_value,
+)
+from client.core.retry import call, retried
+from client.core.route import Route, Settings, put_path
+from client.core.steps import (
+    BULK_FAILED,
+    BulkPut,
+    Cancel,
+    CheckSegments,
+    CopyIn,
+    Join,
+    Plan,
+    Release,
+    Start,
+    StreamPut,
+)
+from kvstore_pb import store_pb2 as pb
+
+# Same-host puts of at least this many pages go as two halves in flight at once.
+PIPELINE_MIN_PAGES = 16
+_PIPELINE_PARTS = 2  # four measured no better
+
+Statuses = tuple[PutStatus, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PutArgs:
+    """A put's arguments, checked before any I/O: each page's payload view and the chain
+    prefixes that vouch for its ancestors (token ids as little-endian uint32)."""
+
+    pages: Sequence[Page]
+    views: list[memoryview]
+    chain_prefix: list[bytes]
+
+
+def checked_put(
+    scope: Scope,
+    pages: Sequence[Page],
+    chain_prefixes: Sequence[Sequence[int]],
+    prefix_tokens: Sequence[int],
+) -> PutArgs:
+    """InvalidArgument for a page of another scope or layout, a payload of the wrong size, or
+    a token id that is not a uint32."""
+    views = payload_views(scope, pages)
+    prefix = [tokens_le(p) for p in (*chain_prefixes, prefix_tokens) if p]
+    return PutArgs(pages, views, prefix)
+
+
+def put(
+    scope: Scope,
+    args: PutArgs,
+    route: Route,
+    settings: Settings,
+    *,
+    io: IoClass,
+    tier: Tier | None,
+    client_pid: int,
+) -> Plan[PutResult]:
+    """`client_pid`: this process's id, which the daemon records with a same-host reservation."""
+    path = put_path(route, tier)
+    statuses: list[PutStatus] = []
+    for r in batch_ranges(len(args.pages), route.limits.max_keys_per_call):
+        pages = args.pages[r.start : r.stop]
+        views = args.views[r.start : r.stop]
+        part: Statuses | None = None
+        if path == "shm":
+            if len(pages) >= PIPELINE_MIN_PAGES and route.pipelined:
+                part = yield from _put_shm_pipelined(
+                    scope, pages, views, io, args.chain_prefix, client_pid, settings
+                )
+            else:
+                part = yield from _put_shm(
+                    scope, pages, views, io, args.chain_prefix, client_pid, settings
+                )
+        elif path == "bulk":
+            part = yield from _put_bulk(scope, pages, views, io, tier, args.chain_prefix, settings)
+            if part is None:
+                path = "grpc"
+        if part is None:
+            part = yield from _put_grpc(
+                scope, pages, views, io, tier, args.chain_prefix, route, settings
+            )
+        statuses.extend(part)
+    return PutResult(statuses=tuple(statuses))
+
+
+def _reserve_request(
+    scope: Scope, pages: Sequence[Page], io: IoClass, chain_prefix: list[bytes], client_pid: int
+) -> pb.ReserveRequest:
+    return pb.ReserveRequest(
+        scope=scope.encode(),
+        headers=[p.header.encode() for p in pages],
+        io_class=io_class_value(io),
+        client_pid=client_pid,
+        chain_prefix=chain_prefix,
+    )
+
+
+def _put_shm(
+    scope: Scope,
+    pages: Sequence[Page],
+    views: Sequence[memoryview],
+    io: IoClass,
+    chain_prefix: list[bytes],
+    client_pid: int,
+    settings: Settings,
+) -> Plan[Statuses]:
+    request = _reserve_request(scope, pages, io, chain_prefix, client_pid)
+    reply = yield from call(
+        "Reserve", request, pb.ReserveResponse, settings.policy, settings.timeout_s
+    )
+    yield CheckSegments(reply.lease_id)
+    try:
+        statuses = cast(Statuses, (yield CopyIn(reply, views)))
+        if reply.lease_id:
+            commit = pb.CommitRequest(lease_id=reply.lease_id)
+            yield from call(
+                "Commit", commit, pb.CommitResponse, settings.policy, settings.timeout_s
+            )
+    except BaseException:
+        if reply.lease_id:
+            yield Release(reply.lease_id)
+        raise
+    return statuses
+
+
+def _put_shm_pipelined(
+    scope: Scope,
+    pages: Sequence[Page],
+    views: Sequence[memoryview],
+    io: IoClass,
+    chain_prefix: list[bytes],
+    client_pid: int,
+    settings: Settings,
+) -> Plan[Statuses]:
+    """`_put_shm` as two halves in flight: the second half's reservation is asked for as soon
+    as the first's is granted (the daemon verifies a half's key chain from pages it has
+    reserved or stored, kvstore/chain.py); each half is copied as soon as its slots arrive and
+    its commit sent at once. All pages are visible when this returns; on any failure, whatever
+    was reserved and not committed is released."""
+    count = min(_PIPELINE_PARTS, len(pages) // (PIPELINE_MIN_PAGES // 2))
+    bounds = [len(pages) * k // count for k in range(count + 1)]
+    parts = [(pages[a:b], views[a:b]) for a, b in itertools.pairwise(bounds)]
+    timeout = settings.timeout_s
+
+    def reserve(part: Sequence[Page]) -> Start:
+        return Start(
+            "Reserve", _reserve_request(scope, part, io, chain_prefix, client_pid), timeout
+        )
+
+    unread = [(yield reserve(parts[0][0]))]  # reservations whose reply was not read yet
+    committing: list[object] = []
+    leases: list[int] = []  # reserved, not yet known to be committed
+    statuses: list[PutStatus] = []
+    try:
+        for k, (_, part_views) in enumerate(parts):
+            reply = yield Join(unread.pop(0))
+            if not isinstance(reply, pb.ReserveResponse):
+                raise malformed(f"Reserve answered {type(reply).__name__}")
+            if reply.lease_id:
+                leases.append(reply.lease_id)
+            if k + 1 < len(parts):
+                unread.append((yield reserve(parts[k + 1][0])))
+            yield CheckSegments(reply.lease_id)
+            statuses.extend(cast(Statuses, (yield CopyIn(reply, part_views))))
+            if reply.lease_id:
+                commit = pb.CommitRequest(lease_id=reply.lease_id)
+                committing.append((yield Start("Commit", commit, timeout)))
+        for handle in committing:
+            yield Join(handle)
+        leases.clear()
+    except BaseException:
+        for handle in unread:  # read and release it
+            try:
+                pending = yield Join(handle)
+            except Exception:  # its lease runs out on its own
+                continue
+            if isinstance(pending, pb.ReserveResponse) and pending.lease_id:
+                leases.append(pending.lease_id)
+        for handle in committing:
+            yield Cancel(handle)
+        for lease_id in leases:  # a committed lease is unknown by now: releasing it is a no-op
+            yield Release(lease_id)
+        raise
+    return tuple(statuses)
+
+
+def _put_bulk(
+    scope: Scope,
+    pages: Sequence[Page],
+    views: Sequence[memoryview],
+    io: IoClass,
+    tier: Tier | None,
+    chain_prefix: list[bytes],
+    settings: Settings,
+) -> Plan[Statuses | None]:
+    begin = pb.PutBegin(
+        scope=scope.encode(),
+        io_class=io_class_value(io),
+        page_count=len(pages),
+        tier=tier_value(tier),
+        chain_prefix=chain_prefix,
+    ).SerializeToString()
+    headers = [p.header.encode() for p in pages]
+    done = yield BulkPut(begin, headers, views, settings.timeout_s)
+    if done is BULK_FAILED:
+        return None
+    return cast(Statuses, done)
+
+
+def _put_grpc(
+    scope: Scope,
+    pages: Sequence[Page],
+    views: Sequence[memoryview],
+    io: IoClass,
+    tier: Tier | None,
+    chain_prefix: list[bytes],
+    route: Route,
+    settings: Settings,
+) -> Plan[Statuses]:
+    chunk = chunk_bytes_for(route.limits, settings.max_message_bytes)
+
+    def attempt(left_s: float) -> Plan[pb.PutResponse]:
+        messages = put_messages(
+            scope,
+            pages,
+            views,
+            io_class=io,
+            tier=tier,
+            chunk_bytes=chunk,
+            chain_prefix=chain_prefix,
+        )
+        reply = yield StreamPut(messages, left_s)
+        if not isinstance(reply, pb.PutResponse):
+            raise malformed(f"Put answered {type(reply).__name__}")
+        return reply
+
+    reply = yield from retried("Put", settings.policy, settings.timeout_s, attempt)
+    return put_statuses_from_proto(reply, len(pages))
