@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -36,7 +37,7 @@ from client.contract.errors import (
 from client.contract.page import PageHeader
 from client.contract.types import PutStatus
 from client.transports.tcp_protocol import GetOutcome, LookupHits, accept_entry
-from client.transports.tcp_transport import TcpTransport
+from client.transports.tcp_transport import AsyncTcpTransport, TcpTransport
 from client.transports.tcp_transport import TransportFailed as TransportFailed
 from client.transports.tls import TlsOptions
 from client.transports.ucx_protocol import (
@@ -111,14 +112,18 @@ class UcxTransport:
     ) -> None:
         self.address = address
         self._tcp: TcpTransport | None = None
+        self._async_tcp: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncTcpTransport] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._async_lock = threading.Lock()
+        self._tcp_args: dict[str, Any] = {
+            "fallback_host": fallback_host,
+            "max_page_bytes": max_page_bytes,
+            "tls": tls,
+            "token": token,
+        }
         if address.startswith(TCP_SCHEME):
-            self._tcp = TcpTransport(
-                address,
-                fallback_host=fallback_host,
-                max_page_bytes=max_page_bytes,
-                tls=tls,
-                token=token,
-            )
+            self._tcp = TcpTransport(address, **self._tcp_args)
             return
         self._hello = (token or "").encode()
         try:
@@ -159,6 +164,10 @@ class UcxTransport:
         self._run(probe(), timeout_s)
 
     def close(self) -> None:
+        with self._async_lock:
+            loops, self._async_tcp = list(self._async_tcp.values()), weakref.WeakKeyDictionary()
+        for transport in loops:
+            transport.close()  # (aborting an endpoint is safe from any thread)
         if self._tcp is not None:
             self._tcp.close()
             return
@@ -223,6 +232,8 @@ class UcxTransport:
             raise TransportFailed("lookups go over gRPC on the UCX data path")
         return self._tcp.lookup(request, asked, timeout_s=timeout_s)
 
+    # ---- the same calls for asyncio callers (any event loop) ----------------------------------
+
     async def get_async(
         self,
         request: bytes,
@@ -233,9 +244,12 @@ class UcxTransport:
         verify: bool,
         timeout_s: float,
     ) -> GetOutcome:
-        """`get` over UCX, awaitable from any event loop (it runs on the bulk loop)."""
+        """`get`, awaitable from any event loop: over TCP on that loop itself
+        (`AsyncTcpTransport`), over UCX on the bulk loop."""
         if self._tcp is not None:
-            raise TransportFailed("use AsyncTcpTransport for the TCP data path")
+            return await self._loop_tcp().get(
+                request, scope_digest, keys, into, verify=verify, timeout_s=timeout_s
+            )
         self._check_open()
         coro = self._get_coro(request, scope_digest, keys, into, verify, timeout_s)
         return await self._run_async(coro, timeout_s)
@@ -248,11 +262,27 @@ class UcxTransport:
         *,
         timeout_s: float,
     ) -> tuple[PutStatus, ...]:
-        """`put` over UCX, awaitable from any event loop (it runs on the bulk loop)."""
+        """`put`, awaitable from any event loop (as `get_async`)."""
         if self._tcp is not None:
-            raise TransportFailed("use AsyncTcpTransport for the TCP data path")
+            return await self._loop_tcp().put(begin, headers, payloads, timeout_s=timeout_s)
         self._check_open()
         return await self._run_async(self._put_coro(begin, headers, payloads, timeout_s), timeout_s)
+
+    async def lookup_async(self, request: bytes, asked: int, *, timeout_s: float) -> LookupHits:
+        """`lookup`, awaitable from any event loop (TCP only, as `lookup`)."""
+        if self._tcp is None:
+            raise TransportFailed("lookups go over gRPC on the UCX data path")
+        return await self._loop_tcp().lookup(request, asked, timeout_s=timeout_s)
+
+    def _loop_tcp(self) -> AsyncTcpTransport:
+        """The asyncio TCP transport of the running loop (its connections are that loop's)."""
+        loop = asyncio.get_running_loop()
+        with self._async_lock:
+            transport = self._async_tcp.get(loop)
+            if transport is None:
+                transport = AsyncTcpTransport(self.address, **self._tcp_args)
+                self._async_tcp[loop] = transport
+            return transport
 
     # ---- plumbing --------------------------------------------------------------------------
 

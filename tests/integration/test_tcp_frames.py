@@ -23,6 +23,8 @@ from client.transports.tcp_protocol import (
     KIND_LOOKUP,
     KIND_LOOKUP_HITS,
     KIND_PUT_PAGES,
+    GetOutcome,
+    LookupHits,
     encode_put_pages,
 )
 from client.transports.tcp_transport import AsyncTcpTransport, TcpTransport
@@ -39,6 +41,7 @@ from client.transports.ucx_protocol import (
     parse_address,
     preamble,
 )
+from client.transports.ucx_transport import UcxTransport
 from kvstore_pb import store_pb2 as pb
 from loadtests.daemon import wait_for
 
@@ -241,43 +244,52 @@ def test_lookup_over_tcp_is_the_grpc_lookup_with_the_same_checks(
         transport.close()
 
 
-def test_the_asyncio_driver_puts_gets_and_looks_up(daemon_factory: DaemonFactory) -> None:
+@pytest.mark.parametrize("entry", ["AsyncTcpTransport", "UcxTransport.*_async"])
+def test_the_asyncio_driver_puts_gets_and_looks_up(
+    daemon_factory: DaemonFactory, entry: str
+) -> None:
     daemon = daemon_factory(dram="64MiB", ssd=None, settings=TCP_ON)
     scope = make_scope(layout=LARGE)
     pages = prompt(scope, 3, seed=12)
     keys = keys_of(pages)
+    begin = pb.PutBegin(scope=scope.encode(), page_count=3).SerializeToString()
+    get = pb.GetRequest(
+        scope_digest=scope.digest, scope=scope.encode(), keys=b"".join(keys)
+    ).SerializeToString()
+    lookup = pb.LookupRequest(
+        scope_digest=scope.digest, scope=scope.encode(), keys=b"".join(keys)
+    ).SerializeToString()
+    headers = [p.header.encode() for p in pages]
+    payloads = [memoryview(p.payload) for p in pages]
 
-    async def run() -> tuple[tuple[PutStatus, ...], list[bool], int, list[bytes]]:
+    async def direct(into: list[memoryview]) -> tuple[object, ...]:
         transport = AsyncTcpTransport(daemon.info.tcp_address)
         try:
             await transport.open(10)
-            begin = pb.PutBegin(scope=scope.encode(), page_count=3).SerializeToString()
-            statuses = await transport.put(
-                begin,
-                [p.header.encode() for p in pages],
-                [memoryview(p.payload) for p in pages],
-                timeout_s=10,
-            )
-            into = [memoryview(b) for b in buffers(scope, 3)]
-            request = pb.GetRequest(
-                scope_digest=scope.digest, scope=scope.encode(), keys=b"".join(keys)
-            ).SerializeToString()
-            got = await transport.get(request, scope.digest, keys, into, verify=True, timeout_s=10)
-            lookup = pb.LookupRequest(
-                scope_digest=scope.digest, scope=scope.encode(), keys=b"".join(keys)
-            ).SerializeToString()
+            statuses = await transport.put(begin, headers, payloads, timeout_s=10)
+            got = await transport.get(get, scope.digest, keys, into, verify=True, timeout_s=10)
             hits = await transport.lookup(lookup, 3, timeout_s=10)
-            return (
-                statuses,
-                [h is not None for h in got.headers],
-                hits.hit_count,
-                [bytes(b) for b in into],
-            )
         finally:
             transport.close()
+        return statuses, got, hits
 
-    statuses, delivered, hits, payloads = asyncio.run(run())
+    async def via_link(into: list[memoryview]) -> tuple[object, ...]:
+        transport = UcxTransport(daemon.info.tcp_address)
+        try:
+            statuses = await transport.put_async(begin, headers, payloads, timeout_s=10)
+            got = await transport.get_async(
+                get, scope.digest, keys, into, verify=True, timeout_s=10
+            )
+            hits = await transport.lookup_async(lookup, 3, timeout_s=10)
+        finally:
+            transport.close()
+        return statuses, got, hits
+
+    into = [memoryview(b) for b in buffers(scope, 3)]
+    run = direct if entry == "AsyncTcpTransport" else via_link
+    statuses, got, hits = asyncio.run(run(into))
     assert statuses == (PutStatus.STORED,) * 3
-    assert (delivered, hits) == ([True] * 3, 3)
-    assert payloads == [bytes(p.payload) for p in pages]
+    assert isinstance(got, GetOutcome) and isinstance(hits, LookupHits)
+    assert ([h is not None for h in got.headers], hits.hit_count) == ([True] * 3, 3)
+    assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
     _no_leases(daemon)
