@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from client.contract.page import HEADER_FIXED_BYTES
 from kvstore.chain import DEFAULT_MEMORY_KEYS, ChainMemory
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, Tier
@@ -364,6 +365,23 @@ class Index:
         if not siblings:
             del self._children[entry.parent]
         return entry
+
+    def seal_header(self, key: bytes, header: bytes) -> None:
+        """Replace a page's header by the same header with its payload checksum filled in (the
+        daemon's checksum of a same-host put, client/contract/page.py `seal_header`). Mutates
+        the entry; InvalidArgument if the page is absent or `header` is not the stored one
+        sealed (same length, and the same bytes but for the flags and the two checksums)."""
+        entry = self._entry(key)
+        old = entry.header
+        fixed = HEADER_FIXED_BYTES - 8
+        if (
+            len(header) != len(old)
+            or header[:6] != old[:6]
+            or header[8:fixed] != old[8:fixed]
+            or header[HEADER_FIXED_BYTES:-8] != old[HEADER_FIXED_BYTES:-8]
+        ):
+            raise InvalidArgument(f"page {key.hex()}: a sealed header must be its own header")
+        entry.header = header
 
     def set_residency(self, key: bytes, tier: Tier, location: int | bool | None) -> None:
         """Record where a page lives in `tier`: an offset (GPU, DRAM) or True (SSD) sets it; None

@@ -2,8 +2,8 @@
 
 One thread. Each pass (on a kick — a write that took DRAM above its high watermark, a queued
 write-through copy, a drain — or every `interval_s`): end expired leases; check the payloads of
-same-host puts not checked yet (a batch per pass; a reader never waits for this: it checks a
-page it wants itself); copy queued
+same-host puts not checked yet, or compute the checksum a same-host writer left to the daemon (a
+batch per pass; a reader never waits for this: it checks a page it wants itself); copy queued
 write-through pages to SSD; and, while DRAM is above its high watermark, demote least valuable
 pages until it is below the low one. SSD writes run as I/O class BACKGROUND (so they yield to
 reads and respect the background bandwidth cap), with the page pinned and the store lock free.
@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from client.contract.page import PageHeader
+from client.contract.page import PageHeader, payload_checksum, seal_header
 from kvstore.config import DramConfig
 from kvstore.errors import CapacityExhausted, StrataError
 from kvstore.index import PageEntry
@@ -195,7 +195,10 @@ class Mover:
         residency, unpin) and, with `clear_dram`, release its DRAM copy. A page that cannot be
         written (SSD full of leased pages, a disk error) and `must_leave` DRAM (to make room)
         is dropped: a page is never nowhere, and never half written; otherwise it stays in
-        DRAM. False when nothing could be done."""
+        DRAM. A page whose payload checksum was left to the daemon (a same-host put not sealed
+        yet) gets it now, from the pinned DRAM bytes, before it is written: no page reaches SSD
+        without its checksum, and its index header carries it from then on. False when nothing
+        could be done."""
         ssd = self._tiers.ssd
         if ssd is None:
             return False
@@ -214,10 +217,17 @@ class Mover:
                     return True
                 return False
             self._tiers.index.pin(key)
-            header = PageHeader.decode(entry.header)
+            raw = entry.header
+            header = PageHeader.decode(raw)
             view = self._tiers.dram.view(entry.dram, entry.payload_bytes)
         ok = failed = False
         try:
+            if header.checksum_deferred:  # pinned: its bytes stay where they are
+                raw = seal_header(raw, payload_checksum(view))
+                header = PageHeader.decode(raw)
+                with self._lock:
+                    if self._tiers.index.get(key) is entry and entry.header != raw:
+                        self._tiers.index.seal_header(key, raw)
             with self._scheduler.admit(io_class, entry.payload_bytes):
                 ssd.write(header, view)
             ok = True

@@ -479,6 +479,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
             # connection: a pid a client only claims would let it take share after share
             client=f"pid:{peer_pid}" if peer_pid else context.peer(),
             chain_prefix=request.chain_prefix,
+            same_host=True,  # the writer copies into DRAM itself: it may leave the checksum to us
         )
         # the client copies these bytes itself: they pass the scheduler here, in their class
         # (a background put keeps to the background cap on the same-host path too)
@@ -527,7 +528,9 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self._check_local(principal)
         digest = self._read_digest(principal, request.scope_digest, request.scope)
         io_class = io_class_from_wire(request.io_class)
-        acq = self.store.acquire(digest, self._keys(request.keys), io_class, request.lease_ms)
+        acq = self.store.acquire(
+            digest, self._keys(request.keys), io_class, request.lease_ms, same_host=True
+        )
         self._own(principal, acq.lease_id)
         reply = store_pb2.AcquireResponse(
             lease_id=acq.lease_id, lease_expires_unix_ms=acq.expires_unix_ms

@@ -20,7 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from client.contract.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
+from client.contract.page import (
+    PageHeader,
+    checked_payload_checksum,
+    checksum_deferred,
+    payload_checksum,
+    quick_check,
+    seal_header,
+)
 from client.contract.scope import KEY_BYTES, Scope, base_namespace
 from kvstore.chain import ChainRejected, first_unverified, prefix_keys
 from kvstore.config import StoreConfig
@@ -191,8 +198,10 @@ class Store:
         self._doomed: set[bytes] = set()
         # pages put again while their deleted predecessor is still leased: stored when it goes
         self._replacing: dict[bytes, _Pending] = {}
-        # same-host puts whose payload checksum the daemon has not checked yet: no reader gets
-        # one before it is checked (by the mover's pass, or by the acquire that wants it)
+        # same-host puts whose payload the daemon has not checked yet: a writer's checksum is
+        # checked before any reader gets the page; a checksum left to the daemon (the header's
+        # FLAG_CHECKSUM_DEFERRED) is computed ("sealed") before the page leaves DRAM for SSD or
+        # the network. Both by the mover's pass, or by the acquire that needs it.
         self._unverified: set[bytes] = set()
         self._corrupt_pinned: set[bytes] = set()  # failed that check, waiting for their pins
         self._replacing_unverified: set[bytes] = set()  # same-host puts among `_replacing`
@@ -312,7 +321,12 @@ class Store:
     # ---- writes: plan, reserve, commit ------------------------------------------------------
 
     def plan_put(
-        self, scope: Scope, raw_headers: Sequence[bytes], chain_prefix: Sequence[bytes] = ()
+        self,
+        scope: Scope,
+        raw_headers: Sequence[bytes],
+        chain_prefix: Sequence[bytes] = (),
+        *,
+        same_host: bool = False,
     ) -> PutPlan:
         """Validate headers against `scope` and find the pages not yet stored. No side effects
         (but a counter).
@@ -321,7 +335,9 @@ class Store:
         oversize page or too many pages; ChainRejected (an InvalidArgument, counted in
         `chain_rejected`) when a page's parent is not a key of the scope (kvstore/chain.py);
         `chain_prefix` (token ids of prompts from their first page on) vouches for ancestors
-        this node does not know.
+        this node does not know. A header that leaves its payload checksum to the daemon is
+        InvalidArgument unless `same_host` (a same-host Reserve: the writer copies into DRAM
+        itself; bytes that cross a network come with their checksum).
         """
         self._check_keys(raw_headers)
         limit = self.config.limits.max_page_bytes
@@ -333,13 +349,18 @@ class Store:
         digest, size = scope.digest, scope.page_payload_bytes
         for raw in raw_headers:
             quick = quick_check(raw, scope) if isinstance(raw, bytes) else None
-            if quick is not None:
+            if quick is not None and (same_host or not checksum_deferred(raw)):
                 headers.append(PlannedPage(quick[0], quick[1], digest, size))
                 continue
             try:  # the slow path names exactly what is wrong
                 header = PageHeader.decode(raw)
             except Corrupt as exc:
                 raise InvalidArgument(f"malformed page header: {exc}") from None
+            if header.checksum_deferred and not same_host:
+                raise InvalidArgument(
+                    "a page whose payload checksum is left to the daemon may only be put on the "
+                    "same-host path; send its checksum"
+                )
             if header.payload_bytes > limit:
                 raise InvalidArgument(
                     f"page of {header.payload_bytes} bytes exceeds max_page_bytes {limit}"
@@ -425,6 +446,8 @@ class Store:
         holder: Holder = DAEMON,
         client: str = "",
         chain_prefix: Sequence[bytes] = (),
+        *,
+        same_host: bool = False,
     ) -> Reservation:
         """Reserve DRAM slots for the new pages among `raw_headers`. Mutates; takes a RESERVE lease.
 
@@ -435,10 +458,10 @@ class Store:
         needed. `client` names who asks (a process, a connection; "" = the daemon itself): one
         client holds at most `limits.max_reserved_bytes_per_client` reserved at once, and a
         reservation's lease is at most `limits.max_reserve_lease_ms`. Raises InvalidArgument
-        (see plan_put) or CapacityExhausted — in which case nothing was reserved and nothing
-        else changed.
+        (see plan_put; `same_host` as there) or CapacityExhausted — in which case nothing was
+        reserved and nothing else changed.
         """
-        plan = self.plan_put(scope, raw_headers, chain_prefix)
+        plan = self.plan_put(scope, raw_headers, chain_prefix, same_host=same_host)
         limits = self.config.limits
         ttl_s = min(self._ttl_s(lease_ms), limits.max_reserve_lease_ms / 1000.0)
         namespace = base_namespace(scope.namespace)
@@ -708,10 +731,16 @@ class Store:
         keys: Sequence[bytes],
         io_class: IoClass = IoClass.NORMAL,
         lease_ms: int = 0,
+        *,
+        same_host: bool = False,
     ) -> Acquisition:
         """Pin each present page in DRAM under one READ lease. Mutates (promotes SSD/GPU hits).
 
         A page absent, of another scope, failing verification or with no DRAM room is `None`.
+        A same-host put whose writer sent a checksum is checked before it is handed out; one
+        whose checksum was left to the daemon is sealed first (its header then carries the
+        checksum) unless `same_host` (a reader that copies from DRAM itself needs none: the
+        page's header says the checksum is deferred, or carries it once sealed).
         Raises InvalidArgument for bad keys.
         """
         self._check_keys(keys)
@@ -746,7 +775,13 @@ class Store:
             for _ in range(misses):
                 self._count_miss(Tier.GPU if self.tiers.gpu else Tier.DRAM, through_ssd=True)
             unverified = self._unverified
-            check = [i for i, h in enumerate(held) if h is not None and keys[i] in unverified]
+            check = [
+                i
+                for i, h in enumerate(held)
+                if h is not None
+                and keys[i] in unverified
+                and not (same_host and checksum_deferred(h.header))
+            ]
             if not slow and not check:
                 self._count_hits(hit_tiers)
                 if not pinned:
@@ -754,10 +789,17 @@ class Store:
                 lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
                 return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
         if check:  # same-host puts not checked yet: checked now, before anyone reads them
-            for i in self._check_same_host_puts([keys[i] for i in check], check):
+            bad = self._check_same_host_puts([keys[i] for i in check], check)
+            for i in bad:
                 held[i] = None
                 pinned.remove(keys[i])
                 hit_tiers.remove(_DRAM if _DRAM in hit_tiers else hit_tiers[0])
+            with self._lock:  # a checksum the daemon computed now: the header carries it
+                for i in check:
+                    page = held[i]
+                    entry = index.get(keys[i])
+                    if page is not None and entry is not None and entry.header != page.header:
+                        held[i] = page._replace(header=entry.header)
         # SSD pages are read straight into DRAM slots taken now (lock free while reading).
         # Whatever goes wrong from here on, every pin and slot taken is given back.
         slots: dict[int, int] = {}
@@ -868,12 +910,13 @@ class Store:
         self, keys: Sequence[bytes], tags: Sequence[int], *, background: bool = False
     ) -> list[int]:
         """Verify the DRAM payloads of same-host puts `keys`, lock free; drop and count the bad
-        ones. Returns the `tags` of the bad. The caller (an acquire) holds a pin on each page,
-        which goes for the bad ones. `background` (the mover): no pins (a pin would count as a
-        use and reorder eviction); a page freed meanwhile (its slot generation moved) is left
-        for the next pass."""
+        ones. A page whose checksum was left to the daemon is sealed instead: its checksum
+        computed and stored in its header (it cannot be bad). Returns the `tags` of the bad. The
+        caller (an acquire) holds a pin on each page, which goes for the bad ones. `background`
+        (the mover): no pins (a pin would count as a use and reorder eviction); a page freed
+        meanwhile (its slot generation moved) is left for the next pass."""
         dram = self.tiers.dram
-        todo: list[tuple[int, bytes, PageEntry, int, int, memoryview, int]] = []
+        todo: list[tuple[int, bytes, PageEntry, int, int, memoryview, int | None]] = []
         known_bad: list[tuple[int, bytes]] = []
         with self._lock:
             for tag, key in zip(tags, keys, strict=True):
@@ -885,12 +928,13 @@ class Store:
                 if entry is None or entry.dram is None or key not in self._unverified:
                     self._unverified.discard(key)
                     continue
-                want = checked_payload_checksum(entry.header)
+                raw = entry.header
+                want = None if checksum_deferred(raw) else checked_payload_checksum(raw)
                 view = dram.view(entry.dram, entry.payload_bytes)
                 slot = entry.dram
                 todo.append((tag, key, entry, slot, dram.generation(slot), view, want))
         results = [
-            (tag, key, entry, slot, gen, payload_checksum(view) == want)
+            (tag, key, entry, slot, gen, want, payload_checksum(view))
             for tag, key, entry, slot, gen, view, want in todo
         ]
         bad: list[int] = []
@@ -898,7 +942,7 @@ class Store:
             for tag, key in known_bad:
                 bad.append(tag)
                 self._unpin(key)
-            for tag, key, entry, slot, gen, ok in results:
+            for tag, key, entry, slot, gen, want, got in results:
                 if background and (
                     self.index.get(key) is not entry
                     or entry.dram != slot  # back in DRAM, elsewhere: the generation is another's
@@ -906,7 +950,11 @@ class Store:
                 ):
                     continue  # it moved or went while being checked: the result says nothing
                 self._unverified.discard(key)
-                if ok:
+                if want is None:  # left to the daemon: sealed with the checksum of its bytes
+                    if self.index.get(key) is entry and checksum_deferred(entry.header):
+                        self.index.seal_header(key, seal_header(entry.header, got))
+                    continue
+                if got == want:
                     continue
                 bad.append(tag)
                 log.warning("same-host put of page %s failed its checksum: dropped", key.hex())

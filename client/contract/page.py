@@ -2,7 +2,7 @@
 
 Header, little-endian, `HEADER_FIXED_BYTES + 4 * token_count + 8` bytes:
 
-    magic "SKVP" | version u16 | reserved u16 | header_bytes u32
+    magic "SKVP" | version u16 | flags u16 | header_bytes u32
     scope digest 16 | key 16 | parent key 16
     token_count u32 | dtype code u8 | 3 reserved
     num_layers u32 | num_kv_heads u32 | head_dim u32 | page_tokens u32
@@ -13,6 +13,17 @@ Header, little-endian, `HEADER_FIXED_BYTES + 4 * token_count + 8` bytes:
 The header has its own checksum as well as the payload's, so a flipped byte anywhere in a stored
 page is detected. A reader also checks that the key really is `chain_key(parent, tokens)` and that
 the scope digest is the one it asked for: a hash collision yields a miss, never wrong KV.
+
+Flags: bit 0 (`FLAG_CHECKSUM_DEFERRED`) says the payload checksum is left to the daemon (the field
+is then zero). Only a same-host put sends such a header: its payload is copied into the daemon's
+DRAM by the writer itself, so the daemon computes the checksum off the writer's path (before the
+page leaves DRAM for SSD or the network) and stores the header with it (`seal_header`). Every
+other flag bit is zero.
+
+Headers built here (`make_header`, and so `build_pages`) compute the payload checksum on first
+use: reading `payload_checksum`, `encode()`, comparing or hashing the header computes it (from the
+payload the header was built for), so a remote put pays for it inside the put, as it always did,
+and a same-host put never does (`encode_for_same_host`).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -32,13 +44,16 @@ from client.contract.scope import (
     chain_key,
     dtype_code,
     key_digest,
+    pack_tokens,
 )
 
 MAGIC = b"SKVP"
 VERSION = 1
+FLAG_CHECKSUM_DEFERRED = 1  # the payload checksum is left to the daemon (same-host puts only)
 _FIXED = struct.Struct("<4sHHI16s16s16sIB3xIIIIQQ")
 HEADER_FIXED_BYTES = _FIXED.size
 _TAIL = struct.Struct("<Q")
+_CHECKSUM_AT = HEADER_FIXED_BYTES - 8  # where the payload checksum field starts
 
 Buffer = bytes | bytearray | memoryview
 
@@ -53,9 +68,13 @@ def payload_checksum(payload: Buffer) -> int:
     return int(xxhash.xxh3_64_intdigest(payload))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class PageHeader:
-    """Decoded page header. Immutable; `encode()` gives its exact wire bytes."""
+    """Decoded page header. Immutable; `encode()` gives its exact wire bytes.
+
+    Two headers are equal when they describe the same page (scope, key, parent, tokens, KV
+    format, size) with the same payload checksum — or when one of them left its checksum to the
+    daemon (`checksum_deferred`: it knows none, so it does not tell the two apart)."""
 
     scope_digest: bytes
     key: bytes
@@ -65,10 +84,57 @@ class PageHeader:
     layout: KVLayout
     payload_bytes: int
     payload_checksum: int
+    # True: the payload checksum was left to the daemon and is not known (`payload_checksum` 0)
+    checksum_deferred: bool = False
     # the encoded bytes, when known (decoded or built here); never part of equality
     _raw: bytes = field(default=b"", init=False, compare=False, repr=False)
     # the digest of the scope this (immutable) header last passed `validate_for` against
     _valid_for: bytes = field(default=b"", init=False, compare=False, repr=False)
+    # the payload whose checksum is still to be computed (headers built by `make_header`)
+    _payload: Buffer | None = field(default=None, init=False, compare=False, repr=False)
+    # the token ids as little-endian u32, when known
+    _token_bytes: bytes = field(default=b"", init=False, compare=False, repr=False)
+
+    if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt attribute stays an error
+
+        def __getattr__(self, name: str) -> int:
+            """Reached only for a field that is not set: the payload checksum of a header built
+            by `make_header` before anything needed it. Computed now, once."""
+            if name != "payload_checksum":
+                raise AttributeError(name)
+            payload = object.__getattribute__(self, "_payload")
+            if payload is None:
+                raise AttributeError(name)
+            value = payload_checksum(payload)
+            object.__setattr__(self, "payload_checksum", value)
+            object.__setattr__(self, "_payload", None)
+            return value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PageHeader):
+            return NotImplemented
+        if (
+            self.key != other.key
+            or self.parent != other.parent
+            or self.scope_digest != other.scope_digest
+            or self.tokens != other.tokens
+            or self.dtype != other.dtype
+            or self.layout != other.layout
+            or self.payload_bytes != other.payload_bytes
+        ):
+            return False
+        if self.checksum_deferred or other.checksum_deferred:
+            return True
+        return self.payload_checksum == other.payload_checksum
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.parent, self.scope_digest, self.payload_bytes))
+
+    @property
+    def checksum_pending(self) -> bool:
+        """True while this header's payload checksum has not been computed yet (a header built
+        by `make_header` that nothing has encoded, compared or asked for its checksum)."""
+        return self._payload is not None
 
     @property
     def header_bytes(self) -> int:
@@ -80,30 +146,49 @@ class PageHeader:
         return self.header_bytes + self.payload_bytes
 
     def encode(self) -> bytes:
-        """The exact header bytes; raises InvalidArgument on a digest or key of the wrong size."""
+        """The exact header bytes (computing the payload checksum if it is still pending);
+        raises InvalidArgument on a digest or key of the wrong size."""
         if self._raw:
             return self._raw
+        if self.checksum_deferred:
+            raw = self._pack(0, FLAG_CHECKSUM_DEFERRED)
+        else:
+            raw = self._pack(self.payload_checksum, 0)
+        object.__setattr__(self, "_raw", raw)
+        return raw
+
+    def encode_for_same_host(self) -> bytes:
+        """The header bytes a same-host put sends: while the payload checksum is still pending,
+        with it left to the daemon (`FLAG_CHECKSUM_DEFERRED`: nothing hashes the payload here);
+        otherwise `encode()`."""
+        if self._payload is None or self._raw:
+            return self.encode()
+        return self._pack(0, FLAG_CHECKSUM_DEFERRED)
+
+    def _pack(self, checksum: int, flags: int) -> bytes:
         for name in ("scope_digest", "key", "parent"):
             if len(getattr(self, name)) != KEY_BYTES:
                 raise InvalidArgument(f"PageHeader.{name} must be {KEY_BYTES} bytes")
         lay = self.layout
+        count = len(self.tokens)
+        tokens = self._token_bytes or _tokens_struct(count).pack(*self.tokens)
         body = _FIXED.pack(
             MAGIC,
             VERSION,
-            0,
-            header_bytes_for(len(self.tokens)),
+            flags,
+            header_bytes_for(count),
             self.scope_digest,
             self.key,
             self.parent,
-            len(self.tokens),
+            count,
             dtype_code(self.dtype),
             lay.num_layers,
             lay.num_kv_heads,
             lay.head_dim,
             lay.page_tokens,
             self.payload_bytes,
-            self.payload_checksum,
-        ) + struct.pack(f"<{len(self.tokens)}I", *self.tokens)
+            checksum,
+        ) + tokens
         return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod
@@ -115,7 +200,7 @@ class PageHeader:
         (
             magic,
             version,
-            _reserved,
+            flags,
             header_bytes,
             scope_digest,
             key,
@@ -133,10 +218,13 @@ class PageHeader:
             raise Corrupt(f"bad page magic {bytes(magic)!r}")
         if version != VERSION:
             raise Corrupt(f"unsupported page version {version}")
-        if _reserved or any(view[65:68]):
-            # reserved bytes are zero: a header that validates is byte-identical to the one
-            # make_header builds (and to what quick_check accepts)
+        if flags & ~FLAG_CHECKSUM_DEFERRED or any(view[65:68]):
+            # unknown flags and reserved bytes are zero: a header that validates is
+            # byte-identical to the one make_header builds (and to what quick_check accepts)
             raise Corrupt("page header reserved bytes are not zero")
+        deferred = bool(flags & FLAG_CHECKSUM_DEFERRED)
+        if deferred and checksum:
+            raise Corrupt("page header leaves its payload checksum to the daemon but holds one")
         if header_bytes != header_bytes_for(token_count) or header_bytes > len(view):
             raise Corrupt(f"page header length {header_bytes} does not fit {token_count} tokens")
         body_end = header_bytes - _TAIL.size
@@ -162,15 +250,19 @@ class PageHeader:
             layout=layout,
             payload_bytes=payload_bytes,
             payload_checksum=checksum,
+            checksum_deferred=deferred,
         )
         object.__setattr__(header, "_raw", bytes(raw))
         return header
 
     def verify_payload(self, payload: Buffer) -> None:
-        """Raise Corrupt unless `payload` has this header's length and checksum."""
+        """Raise Corrupt unless `payload` has this header's length and checksum (a header whose
+        checksum was left to the daemon and never computed verifies nothing: Corrupt)."""
         n = memoryview(payload).nbytes
         if n != self.payload_bytes:
             raise Corrupt(f"payload is {n} bytes, header says {self.payload_bytes}")
+        if self.checksum_deferred:
+            raise Corrupt("the page's payload checksum was never computed")
         if payload_checksum(payload) != self.payload_checksum:
             raise Corrupt("payload checksum mismatch")
 
@@ -205,6 +297,8 @@ class PageHeader:
 
     def _chain_key(self) -> bytes:
         raw = self._raw
+        if self._token_bytes and len(self.parent) == KEY_BYTES:
+            return key_digest(self.parent + self._token_bytes)
         if raw and len(self.parent) == KEY_BYTES:  # the token bytes are already little-endian u32
             return key_digest(
                 self.parent + raw[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + 4 * len(self.tokens)]
@@ -239,17 +333,19 @@ def _layout(layers: int, heads: int, head_dim: int, page_tokens: int) -> KVLayou
     return layout
 
 
-_EXPECTED: dict[bytes, tuple[bytes, bytes, int]] = {}
+_EXPECTED: dict[bytes, tuple[bytes, bytes, bytes, int]] = {}
 
 
-def _expected_bytes(scope: Scope) -> tuple[bytes, bytes, int]:
-    """(bytes 0:28, bytes 60:92, header length) of every full-page header of `scope`."""
+def _expected_bytes(scope: Scope) -> tuple[bytes, bytes, bytes, int]:
+    """(bytes 0:28, the same with the checksum left to the daemon, bytes 60:92, header length)
+    of every full-page header of `scope`."""
     found = _EXPECTED.get(scope.digest)
     if found is None:
         lay = scope.layout
         count = lay.page_tokens
         size = header_bytes_for(count)
         head = struct.pack("<4sHHI16s", MAGIC, VERSION, 0, size, scope.digest)
+        deferred = struct.pack("<4sHHI16s", MAGIC, VERSION, FLAG_CHECKSUM_DEFERRED, size, scope.digest)
         middle = struct.pack(
             "<IB3xIIIIQ",
             count,
@@ -260,10 +356,13 @@ def _expected_bytes(scope: Scope) -> tuple[bytes, bytes, int]:
             lay.page_tokens,
             scope.page_payload_bytes,
         )
-        found = (head, middle, size)
+        found = (head, deferred, middle, size)
         if len(_EXPECTED) < 4096:
             _EXPECTED[scope.digest] = found
     return found
+
+
+_NO_CHECKSUM = bytes(8)
 
 
 def quick_check(raw: bytes, scope: Scope) -> tuple[bytes, bytes] | None:
@@ -271,11 +370,18 @@ def quick_check(raw: bytes, scope: Scope) -> tuple[bytes, bytes] | None:
     checksum, scope digest, dtype, layout, token count, payload size, key = chain_key(parent,
     tokens)); None otherwise — then `PageHeader.decode` + `validate_for` say precisely why.
 
-    The same checks as decoding and validating, without building objects: the daemon runs it on
-    every page it is asked to store.
+    A header whose payload checksum is left to the daemon (`FLAG_CHECKSUM_DEFERRED`, checksum
+    field zero) passes too: `checksum_deferred(raw)` tells them apart. The same checks as decoding
+    and validating, without building objects: the daemon runs it on every page it is asked to
+    store.
     """
-    head, middle, size = _expected_bytes(scope)
-    if len(raw) != size or raw[:28] != head or raw[60:92] != middle:
+    head, deferred, middle, size = _expected_bytes(scope)
+    if len(raw) != size or raw[60:92] != middle:
+        return None
+    first = raw[:28]
+    if first != head and (
+        first != deferred or raw[_CHECKSUM_AT:HEADER_FIXED_BYTES] != _NO_CHECKSUM
+    ):
         return None
     body = size - _TAIL.size
     if xxhash.xxh3_64_intdigest(raw[:body]) != int.from_bytes(raw[body:], "little"):
@@ -286,29 +392,102 @@ def quick_check(raw: bytes, scope: Scope) -> tuple[bytes, bytes] | None:
     return key, parent
 
 
+def checksum_deferred(raw: bytes) -> bool:
+    """Whether header bytes that passed `quick_check` leave the payload checksum to the daemon."""
+    return raw[6] == FLAG_CHECKSUM_DEFERRED
+
+
 def checked_payload_checksum(raw: bytes) -> int:
-    """The payload checksum field of header bytes that passed `quick_check`."""
-    return int.from_bytes(raw[HEADER_FIXED_BYTES - 8 : HEADER_FIXED_BYTES], "little")
+    """The payload checksum field of header bytes that passed `quick_check` (0 when deferred)."""
+    return int.from_bytes(raw[_CHECKSUM_AT:HEADER_FIXED_BYTES], "little")
+
+
+def seal_header(raw: bytes, checksum: int) -> bytes:
+    """Header bytes that passed `quick_check` (or decode), with the payload checksum `checksum`
+    filled in and the deferred flag cleared: the header the daemon stores for a same-host put
+    once it has checksummed the payload. The header checksum is recomputed; every other byte is
+    kept."""
+    body_end = len(raw) - _TAIL.size
+    body = b"".join(
+        (
+            raw[:6],
+            b"\0\0",
+            raw[8:_CHECKSUM_AT],
+            checksum.to_bytes(8, "little"),
+            raw[HEADER_FIXED_BYTES:body_end],
+        )
+    )
+    return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def make_header(scope: Scope, parent: bytes, tokens: Sequence[int], payload: Buffer) -> PageHeader:
     """Build the header of the page that follows `parent` (the scope digest for the first page).
 
-    Computes the key and the payload checksum; raises InvalidArgument if the page does not fit
-    the scope's layout.
+    Computes the key; the payload checksum is computed on first use (see the module docstring),
+    from `payload`, which the header keeps until then. Raises InvalidArgument if the page does
+    not fit the scope's layout.
     """
-    header = PageHeader(
-        scope_digest=scope.digest,
-        key=chain_key(parent, tokens),
-        parent=parent,
-        tokens=tuple(tokens),
-        dtype=scope.kv_dtype,
-        layout=scope.layout,
-        payload_bytes=memoryview(payload).nbytes,
-        payload_checksum=payload_checksum(payload),
+    header = _pending_header(
+        scope, parent, pack_tokens(tokens), tuple(tokens), memoryview(payload).nbytes, payload
     )
     header.validate_for(scope)
-    object.__setattr__(header, "_raw", header.encode())
+    return header
+
+
+def make_headers(
+    scope: Scope, parent: bytes, token_pages: Sequence[Sequence[int]], payloads: Sequence[Buffer]
+) -> list[PageHeader]:
+    """`make_header` for consecutive pages: page i has `token_pages[i]` and `payloads[i]`, the
+    first follows `parent`. Checks the sizes once per batch; each key is hashed once. Raises
+    InvalidArgument (nothing built) for a page that does not fit the scope's layout."""
+    if len(token_pages) != len(payloads):
+        raise InvalidArgument(f"{len(token_pages)} token pages for {len(payloads)} payloads")
+    if len(parent) != KEY_BYTES:
+        raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    lay = scope.layout
+    size = scope.page_payload_bytes
+    count = lay.page_tokens
+    for i, (tokens, payload) in enumerate(zip(token_pages, payloads, strict=True)):
+        if len(tokens) != count:
+            raise InvalidArgument(
+                f"page {i} has {len(tokens)} tokens; only full pages of {count} are stored"
+            )
+        n = memoryview(payload).nbytes
+        if n != size:
+            raise InvalidArgument(f"payload is {n} bytes; scope layout needs {size}")
+    digest = scope.digest
+    out: list[PageHeader] = []
+    for tokens, payload in zip(token_pages, payloads, strict=True):
+        packed = pack_tokens(tokens)
+        header = _pending_header(scope, parent, packed, tuple(tokens), size, payload)
+        object.__setattr__(header, "_valid_for", digest)  # built to fit: validate_for holds
+        out.append(header)
+        parent = header.key
+    return out
+
+
+def _pending_header(
+    scope: Scope,
+    parent: bytes,
+    packed: bytes,
+    tokens: tuple[int, ...],
+    size: int,
+    payload: Buffer,
+) -> PageHeader:
+    """A header whose payload checksum is computed from `payload` on first use."""
+    header = PageHeader(
+        scope_digest=scope.digest,
+        key=key_digest(parent + packed) if len(parent) == KEY_BYTES else chain_key(parent, tokens),
+        parent=parent,
+        tokens=tokens,
+        dtype=scope.kv_dtype,
+        layout=scope.layout,
+        payload_bytes=size,
+        payload_checksum=0,
+    )
+    object.__setattr__(header, "_token_bytes", packed)
+    object.__setattr__(header, "_payload", payload)
+    object.__delattr__(header, "payload_checksum")  # computed by __getattr__ when first read
     return header
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from client.contract.errors import InvalidArgument
-from client.contract.page import HEADER_FIXED_BYTES, Buffer, PageHeader, make_header
+from client.contract.page import HEADER_FIXED_BYTES, Buffer, PageHeader, make_headers
 from client.contract.scope import Scope, chain_key, pack_tokens
 
 WritableBuffer = bytearray | memoryview
@@ -251,7 +251,9 @@ def build_pages(
     Keys are chained from the scope digest through every earlier full page, so a prefill that
     publishes only its newly computed pages passes `first_page` = the number of cached ones.
     Pure; raises InvalidArgument when the payloads need more full pages than `token_ids` has, or
-    a payload does not fit the scope's layout (see `make_header`).
+    a payload does not fit the scope's layout (see `make_header`). Each header's payload
+    checksum is computed on first use (client/contract/page.py): a same-host put never computes
+    it, a remote put does inside the put.
     """
     page = scope.layout.page_tokens
     full = len(token_ids) // page
@@ -261,17 +263,13 @@ def build_pages(
             f"{len(token_ids)} tokens hold only {full} full pages of {page}"
         )
     parent = scope.digest
-    pages: list[Page] = []
-    for i in range(first_page + len(payloads)):
-        tokens = token_ids[i * page : (i + 1) * page]
-        if i < first_page:
-            parent = chain_key(parent, tokens)
-            continue
-        payload = payloads[i - first_page]
-        header = make_header(scope, parent, tokens, payload)
-        pages.append(Page(header=header, payload=payload))
-        parent = header.key
-    return pages
+    for i in range(first_page):
+        parent = chain_key(parent, token_ids[i * page : (i + 1) * page])
+    token_pages = [
+        token_ids[i * page : (i + 1) * page] for i in range(first_page, first_page + len(payloads))
+    ]
+    headers = make_headers(scope, parent, token_pages, payloads)
+    return [Page(header=h, payload=p) for h, p in zip(headers, payloads, strict=True)]
 
 
 def tokens_le(tokens: Sequence[int]) -> bytes:

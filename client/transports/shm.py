@@ -9,13 +9,23 @@ bytes objects.
 A daemon that restarts creates a new segment file; `SegmentMap.is_current()` tells whether the
 file under the name is still the one mapped, so a client never copies through a stale map.
 
-The read fence: after the slots, the segment holds a table of slot generations (one counter per
-granule; the daemon advances a slot's counter whenever it frees the slot). A get copies a page
-out, then reads its slot's counter: a value other than the one the Acquire reply named means
-the slot was freed meanwhile (this process stalled past its lease) and perhaps reused, so the
-copy may hold another page's bytes: the page is a miss, whether or not `verify` is on. Writers
-need no check here: the daemon quarantines an expired reservation's slots until this process
-is done with them (kvstore/fence.py).
+The read fence (a seqlock): after the slots, the segment holds a table of slot generations (one
+counter per granule; the daemon advances a slot's counter whenever it frees the slot). The
+Acquire reply names each slot's generation as the daemon read it with the page pinned (the read
+before the copy); the get copies the page out, then reads the counter again: any other value
+means the slot was freed meanwhile (this process stalled past its lease) and perhaps reused, so
+the copy may hold another page's bytes: the page is a miss. Writers need no check here: the
+daemon quarantines an expired reservation's slots until this process is done with them
+(kvstore/fence.py).
+
+Integrity on this path (DESIGN §6): the bytes of a same-host get are copied from the daemon's
+DRAM, where nothing between two processes of one host can damage them, so a get does not hash
+them: every get is fenced by the slot generation and its header checked byte for byte (checksum,
+scope, layout, key chain, key asked for; the caller's token ids in `match_tokens`), whatever
+`verify` says. Payload checksums are checked where bytes can be damaged: the daemon verifies a
+page read from SSD or received over the network before it enters DRAM, and a same-host put
+whose writer sent a checksum before any reader gets it. A same-host put sends none
+(`reserve_headers`): the daemon computes it off the writer's path, before the page leaves DRAM.
 """
 
 from __future__ import annotations
@@ -27,9 +37,9 @@ import stat
 from collections.abc import Sequence
 
 from client.contract.errors import Corrupt, InvalidArgument, Unavailable
-from client.contract.page import PageHeader, checked_payload_checksum, payload_checksum, quick_check
+from client.contract.page import PageHeader, quick_check
 from client.contract.scope import Scope
-from client.contract.types import NodeInfo, PutStatus, Segment
+from client.contract.types import NodeInfo, Page, PutStatus, Segment
 from client.transports._wire import malformed
 from client.transports.hostid import host_id
 from kvstore_pb import store_pb2 as pb
@@ -233,6 +243,13 @@ def _map_of(maps: Sequence[SegmentMap], index: int) -> SegmentMap | None:
     return maps[index] if index < len(maps) else None
 
 
+def reserve_headers(pages: Sequence[Page]) -> list[bytes]:
+    """The header bytes of a same-host Reserve: each page's `encode_for_same_host()`, so a page
+    whose payload checksum is still pending goes with the checksum left to the daemon, and the
+    writer never hashes its payloads (client/contract/page.py)."""
+    return [p.header.encode_for_same_host() for p in pages]
+
+
 def write_reserved(
     reply: pb.ReserveResponse, maps: Sequence[SegmentMap], payloads: Sequence[memoryview]
 ) -> tuple[PutStatus, ...]:
@@ -271,53 +288,57 @@ def read_acquired(
     keys: Sequence[bytes],
     into: Sequence[memoryview],
     *,
-    verify: bool,
+    verify: bool = True,
 ) -> tuple[tuple[PageHeader | bytes | None, ...], int]:
-    """Copy each acquired page out of its slot into `into[i]`; return (headers, corrupt count).
+    """Copy each acquired page out of its slot into `into[i]`; return (headers, dropped count).
 
     Each delivered page's header comes back as the header bytes, checked byte for byte (see
     `quick_check`: checksum, scope, layout, key chain) and against the key asked for, or as a
     PageHeader when only the full decode could accept it (GetResult decodes bytes on demand).
     A page whose header fails, names another key or scope, whose slot is not in a mapped segment
-    or does not fit its buffer, or (when `verify`) whose checksum fails, is a miss (None) and
-    counted. Raises a malformed-reply StrataError only when the page count is wrong or pages are
-    present without a lease.
+    or does not fit its buffer, or whose slot generation moved during the copy (the fence, see
+    the module docstring), is a miss (None) and counted. `verify` asks for nothing more on this
+    path: the payload is not hashed (the module docstring says why). Raises a malformed-reply
+    StrataError only when the page count is wrong or pages are present without a lease.
     """
-    if len(reply.pages) != len(keys):
-        raise malformed(f"acquire of {len(keys)} keys answered {len(reply.pages)} pages")
-    if reply.lease_id == 0 and any(p.present for p in reply.pages):
+    del verify  # every same-host get is fenced and header-checked; none hashes its payload
+    pages = reply.pages
+    if len(pages) != len(keys):
+        raise malformed(f"acquire of {len(keys)} keys answered {len(pages)} pages")
+    if reply.lease_id == 0 and any(p.present for p in pages):
         raise malformed("pages acquired without a lease")
     headers: list[PageHeader | bytes | None] = []
     corrupt = 0
     size = scope.page_payload_bytes
-    for i, page in enumerate(reply.pages):
+    n_maps = len(maps)
+    for i, page in enumerate(pages):
         if not page.present:
             headers.append(None)
             continue
         raw = page.header
         quick = quick_check(raw, scope)
-        seg = maps[page.segment] if page.segment < len(maps) else None
+        index = page.segment
+        dest = into[i]
         if (
             quick is not None
             and quick[0] == keys[i]
             and page.length == size
-            and size <= into[i].nbytes
-            and seg is not None
+            and size <= dest.nbytes
+            and index < n_maps
         ):
+            seg = maps[index]
+            header: PageHeader | bytes | None
             try:
-                target = into[i][:size]
-                target[:] = seg.view(page.offset, size)
+                source = seg.view(page.offset, size)
             except InvalidArgument as exc:
-                header: PageHeader | bytes | None
                 header, why = None, str(exc)
             else:
+                dest[:size] = source
                 header, why = raw, ""
                 if seg.generation(page.offset) not in (page.generation, None):
                     header, why = None, "the slot was freed during the copy (lease ran out)"
-                elif verify and payload_checksum(target) != checked_payload_checksum(raw):
-                    header, why = None, "payload checksum mismatch"
         else:  # the slow path names exactly what is wrong (or accepts what quick_check cannot)
-            header, why = _copy_out(page, maps, scope.digest, keys[i], into[i], verify)
+            header, why = _copy_out(page, maps, scope.digest, keys[i], dest)
         if header is None:
             corrupt += 1
             log.debug("get: page %d dropped: %s", i, why)
@@ -331,7 +352,6 @@ def _copy_out(
     scope_digest: bytes,
     key: bytes,
     dest: memoryview,
-    verify: bool,
 ) -> tuple[PageHeader | None, str]:
     try:
         header = PageHeader.decode(page.header)
@@ -349,13 +369,7 @@ def _copy_out(
         source = seg.view(page.offset, size)
     except InvalidArgument as exc:
         return None, str(exc)
-    target = dest[:size]
-    target[:] = source
+    dest[:size] = source
     if seg.generation(page.offset) not in (page.generation, None):
         return None, "the slot was freed during the copy (lease ran out)"
-    if verify:
-        try:
-            header.verify_payload(target)
-        except Corrupt as exc:
-            return None, str(exc)
     return header, ""

@@ -128,8 +128,10 @@ def test_a_segment_file_that_is_a_directory(small: RunningDaemon, scope: Scope) 
 
 
 def bad_page(scope: Scope, seed: int) -> Page:
-    """A page whose payload is not the one its header's checksum was computed over."""
+    """A page whose payload is not the one its header's checksum was computed over (computed
+    now: a same-host put then sends it, where it would otherwise leave it to the daemon)."""
     good = singles(scope, 1, seed=seed)[0]
+    assert good.header.payload_checksum  # computed over the good payload
     return Page(good.header, payload_for(seed + 99_999, scope.page_payload_bytes))
 
 
