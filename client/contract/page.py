@@ -172,23 +172,26 @@ class PageHeader:
         lay = self.layout
         count = len(self.tokens)
         tokens = self._token_bytes or _tokens_struct(count).pack(*self.tokens)
-        body = _FIXED.pack(
-            MAGIC,
-            VERSION,
-            flags,
-            header_bytes_for(count),
-            self.scope_digest,
-            self.key,
-            self.parent,
-            count,
-            dtype_code(self.dtype),
-            lay.num_layers,
-            lay.num_kv_heads,
-            lay.head_dim,
-            lay.page_tokens,
-            self.payload_bytes,
-            checksum,
-        ) + tokens
+        body = (
+            _FIXED.pack(
+                MAGIC,
+                VERSION,
+                flags,
+                header_bytes_for(count),
+                self.scope_digest,
+                self.key,
+                self.parent,
+                count,
+                dtype_code(self.dtype),
+                lay.num_layers,
+                lay.num_kv_heads,
+                lay.head_dim,
+                lay.page_tokens,
+                self.payload_bytes,
+                checksum,
+            )
+            + tokens
+        )
         return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod
@@ -345,7 +348,9 @@ def _expected_bytes(scope: Scope) -> tuple[bytes, bytes, bytes, int]:
         count = lay.page_tokens
         size = header_bytes_for(count)
         head = struct.pack("<4sHHI16s", MAGIC, VERSION, 0, size, scope.digest)
-        deferred = struct.pack("<4sHHI16s", MAGIC, VERSION, FLAG_CHECKSUM_DEFERRED, size, scope.digest)
+        deferred = struct.pack(
+            "<4sHHI16s", MAGIC, VERSION, FLAG_CHECKSUM_DEFERRED, size, scope.digest
+        )
         middle = struct.pack(
             "<IB3xIIIIQ",
             count,

@@ -331,12 +331,16 @@ def checked_tokens(
     if tokens is None:
         return None
     if len(tokens) != len(keys):
-        raise InvalidArgument(f"a get of {len(keys)} keys needs {len(keys)} token lists, got {len(tokens)}")
+        raise InvalidArgument(
+            f"a get of {len(keys)} keys needs {len(keys)} token lists, got {len(tokens)}"
+        )
     page = scope.layout.page_tokens
     out = []
     for i, ids in enumerate(tokens):
         if len(ids) != page:
-            raise InvalidArgument(f"tokens[{i}] has {len(ids)} ids; a page of this scope has {page}")
+            raise InvalidArgument(
+                f"tokens[{i}] has {len(ids)} ids; a page of this scope has {page}"
+            )
         out.append(pack_tokens(ids))
     return out
 

@@ -116,7 +116,8 @@ def _reserve_request(
 ) -> pb.ReserveRequest:
     return pb.ReserveRequest(
         scope=scope.encode(),
-        headers=[p.header.encode() for p in pages],
+        # a checksum not computed yet is left to the daemon: the writer never hashes its payloads
+        headers=[p.header.encode_for_same_host() for p in pages],
         io_class=io_class_value(io),
         client_pid=client_pid,
         chain_prefix=chain_prefix,
