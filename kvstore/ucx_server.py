@@ -1,8 +1,8 @@
-"""The daemon's end of the bulk data paths, UCX and TCP (framing in client/transports/ucx_protocol.py).
+"""The daemon's end of the UCX data path (framing in client/transports/ucx_protocol.py; the TCP data
+path is kvstore/tcp_server.py).
 
-A ucxx listener and a TCP listener on the process's bulk loop (client/transports/ucx_runtime.py); both
-kinds of connection are served by the same code (a TCP socket behaves as a ucxx endpoint,
-client/transports/tcp_endpoint.py). Each connected endpoint is served
+A ucxx listener on the process's bulk loop (client/transports/ucx_runtime.py). Each connected
+endpoint is served
 one request at a time: a get acquires its pages, sends them straight from their DRAM slots and
 releases them; a put reserves DRAM slots, receives each payload straight into its slot, verifies
 every checksum (a network receive), then commits — or aborts and stores nothing. Typed errors go
@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -40,12 +39,6 @@ from client.contract.errors import (
 )
 from client.contract.page import PageHeader
 from client.contract.scope import KEY_BYTES, unpack_keys
-from client.transports.tcp_endpoint import (
-    TLS_HANDSHAKE_TIMEOUT_S,
-    ByteStream,
-    SocketEndpoint,
-    accept_tls,
-)
 from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -56,7 +49,6 @@ from client.transports.ucx_protocol import (
     KIND_WANT,
     KIND_WELCOME,
     PREAMBLE,
-    TCP_SCHEME,
     Frame,
     ManifestEntry,
     ProtocolError,
@@ -68,19 +60,17 @@ from client.transports.ucx_protocol import (
     preamble,
     settle,
 )
-from client.transports.ucx_runtime import bulk_loop, ucx_runtime
+from client.transports.ucx_runtime import ucx_runtime
 from kvstore.auth import OPEN, Authenticator, Principal
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
-from kvstore.tls import TLS_HANDSHAKE_BYTE, ServerTls
+from kvstore.tls import ServerTls
 from kvstore_pb import store_pb2
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 5.0
-_TCP_BACKLOG = 128
-_META_STEP_BYTES = 1 << 20  # frame metadata over TCP is taken in steps of this, as it arrives
 _POOL_THREADS = 8  # per I/O class
 # With auth on, a connection's first frame (HELLO) must arrive within this long, else it is
 # closed: an unauthenticated connection holds nothing for longer.
@@ -89,19 +79,11 @@ _T = TypeVar("_T")
 
 
 async def _recv_meta(ep: Any, n_bytes: int) -> bytearray:
-    """A frame's `n_bytes` of metadata. Over TCP (a byte stream) memory is committed only as
-    the bytes arrive, a step at a time: a header that announces 72 MiB and sends nothing costs
-    one step, not 72 MiB. A UCX message is received whole (its size is the sender's)."""
-    if n_bytes <= _META_STEP_BYTES or not isinstance(ep, ByteStream):
-        meta = bytearray(n_bytes)
-        if n_bytes:
-            await ep.recv(meta)
-        return meta
-    meta = bytearray()
-    while len(meta) < n_bytes:
-        part = bytearray(min(_META_STEP_BYTES, n_bytes - len(meta)))
-        await ep.recv(part)
-        meta += part
+    """A frame's `n_bytes` of metadata (a UCX message is received whole: its size is the
+    sender's, bounded by the preamble check)."""
+    meta = bytearray(n_bytes)
+    if n_bytes:
+        await ep.recv(meta)
     return meta
 
 
@@ -117,34 +99,13 @@ def _admit_and_renew(admission: Any, store: Store, lease_id: int) -> StrataError
     return None
 
 
-async def _first_byte(conn: socket.socket, loop: asyncio.AbstractEventLoop) -> int:
-    """The first byte a new connection sends, left unread (-1 if it closes first); waits at
-    most the TLS handshake timeout (TimeoutError)."""
-    conn.setblocking(False)
-    readable = loop.create_future()
-
-    def ready() -> None:
-        if not readable.done():
-            readable.set_result(None)
-
-    loop.add_reader(conn.fileno(), ready)
-    try:
-        await asyncio.wait_for(readable, TLS_HANDSHAKE_TIMEOUT_S)
-    finally:
-        loop.remove_reader(conn.fileno())
-    head = conn.recv(1, socket.MSG_PEEK)
-    return head[0] if head else -1
-
-
 class BulkServer:
-    """Serves the bulk data paths of `store` on `host`: UCX (`start_ucx`) and TCP (`start_tcp`),
-    port 0 = any free port. Each start returns the address to advertise ("ucx://host:port",
-    "tcp://host:port") and raises Unavailable when that listener cannot start (for UCX also
-    when ucxx cannot be imported); `stop()` closes the listeners and every connection.
+    """Serves the UCX data path of `store` on `host`: `start_ucx(port)` (0 = any free port)
+    returns the address to advertise ("ucx://host:port") and raises Unavailable when the
+    listener cannot start or ucxx cannot be imported; `stop()` closes the listener and every
+    connection.
 
-    `tls`: the TCP listener speaks TLS (a connection whose first byte opens a TLS handshake is
-    served over TLS; a plaintext one only unless `tls.require`, else it is closed at once), and
-    with `tls.require` the UCX listener is not started (UCX here cannot encrypt).
+    With `tls.require` the UCX listener is not started (UCX here cannot encrypt).
     """
 
     def __init__(
@@ -158,11 +119,8 @@ class BulkServer:
         self._host = host
         self._auth = auth if auth is not None else Authenticator(None)
         self._tls = tls
-        self._tls_context = tls.ssl_context() if tls is not None else None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: Any = None  # the ucxx listener
-        self._tcp_socket: socket.socket | None = None
-        self._tcp_accepting: asyncio.Task[None] | None = None
         self._endpoints: set[Any] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         limits = store.config.limits
@@ -205,41 +163,6 @@ class BulkServer:
         log.info("UCX data path listening at %s", address)
         return address
 
-    def start_tcp(self, port: int = 0) -> str:
-        loop = bulk_loop()
-        try:
-            family, kind, proto, _, where = socket.getaddrinfo(
-                self._host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-            )[0]
-            sock = socket.socket(family, kind, proto)
-        except OSError as exc:
-            raise Unavailable(f"no TCP data listener on {self._host}:{port}: {exc}") from None
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(where)
-            sock.listen(_TCP_BACKLOG)
-            sock.setblocking(False)
-        except OSError as exc:
-            sock.close()
-            raise Unavailable(f"no TCP data listener on {self._host}:{port}: {exc}") from None
-
-        async def accept() -> None:
-            while True:
-                conn, _ = await loop.sock_accept(sock)
-                # held here until it runs (it then tracks itself in _handlers)
-                self._handlers.add(asyncio.ensure_future(self._accept_tcp(conn, loop)))
-
-        async def listen() -> asyncio.Task[None]:
-            return asyncio.ensure_future(accept())
-
-        self._tcp_accepting = asyncio.run_coroutine_threadsafe(listen(), loop).result(
-            _START_TIMEOUT_S
-        )
-        self._tcp_socket, self._loop = sock, loop
-        address = format_address(self._host, int(sock.getsockname()[1]), TCP_SCHEME)
-        log.info("TCP data path listening at %s", address)
-        return address
-
     def stop(self) -> None:
         """Close the listeners and every connection (their leases are released). The process's
         bulk loop itself lives on (client/transports/ucx_runtime.py)."""
@@ -254,8 +177,6 @@ class BulkServer:
             pool.shutdown(wait=False, cancel_futures=True)
 
     async def _close(self) -> None:
-        if self._tcp_accepting is not None:  # no new connections while the old ones end
-            self._tcp_accepting.cancel()
         for ep in list(self._endpoints):
             with contextlib.suppress(Exception):
                 ep.abort()
@@ -266,48 +187,15 @@ class BulkServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        self._tcp_accepting = None  # cancelled above
-        if self._tcp_socket is not None:
-            self._tcp_socket.close()
-            self._tcp_socket = None
 
     # ---- connections -------------------------------------------------------------------------
-
-    async def _accept_tcp(self, conn: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
-        """Serve one accepted TCP connection: plaintext, or over TLS when this server has TLS
-        and the client opens with a TLS handshake (a plaintext one is closed at once when TLS
-        is required). A failed handshake ends only that connection."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        try:
-            ctx = self._tls_context
-            if ctx is None:
-                ep: ByteStream = SocketEndpoint(conn, loop)
-            else:
-                first = await _first_byte(conn, loop)
-                if first == TLS_HANDSHAKE_BYTE:
-                    ep = await accept_tls(conn, ctx)
-                elif self._tls is not None and self._tls.require:
-                    log.warning("TCP data path: plaintext connection refused (TLS is required)")
-                    conn.close()
-                    return
-                else:
-                    ep = SocketEndpoint(conn, loop)
-        except Exception as exc:  # handshake failed or timed out, the peer left
-            log.warning("TCP data path: connection refused: %r", exc)
-            conn.close()
-            return
-        finally:
-            self._handlers.discard(task)
-        await self._accept(ep)
 
     async def _accept(self, ep: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)
         self._endpoints.add(ep)
-        path = "tcp" if isinstance(ep, ByteStream) else "ucx"  # for the byte counters
+        path = "ucx"  # for the byte counters
         principal: Principal | None = None
         try:
             while True:

@@ -1,8 +1,8 @@
-"""A TCP socket as a bulk-path endpoint: the TCP data path speaks the UCX framing
-(client/transports/ucx_protocol.py) over plain sockets, through the same transport and server code.
+"""A TCP socket as a bulk-path endpoint on an event loop: what the asyncio driver of the TCP data
+path (client/transports/tcp_transport.py `AsyncTcpTransport`) runs its operations over.
 
 `SocketEndpoint` gives a non-blocking socket the three operations the bulk code uses on a ucxx
-endpoint, on the process's bulk loop (client/transports/ucx_runtime.py): `send(buffer)`, `recv(buffer)`
+endpoint, on the caller's event loop: `send(buffer)`, `recv(buffer)`
 (fills the whole buffer, straight from the kernel, no copy in between) and `abort()`. A UCX
 endpoint keeps messages in the order they were posted; so does this one: sends, and receives,
 complete one after another in the order they were started, however many are in flight.
@@ -234,21 +234,6 @@ class TlsEndpoint(ByteStream):
             self.abort()
             raise EndpointClosed("the peer closed the TLS connection")
         self._in.write(memoryview(self._buffer)[:n])
-
-
-async def accept_tls(sock: socket.socket, context: ssl.SSLContext) -> TlsEndpoint:
-    """The server side of a TLS connection on the accepted socket `sock` (handshake done, the
-    client's certificate verified when `context` asks for one); raises ssl.SSLError,
-    EndpointClosed or TimeoutError when the handshake fails."""
-    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = context.wrap_bio(incoming, outgoing, server_side=True)
-    ep = TlsEndpoint(SocketEndpoint(sock, asyncio.get_running_loop()), tls, incoming, outgoing)
-    try:
-        await ep.handshake(TLS_HANDSHAKE_TIMEOUT_S)
-    except BaseException:
-        ep.abort()
-        raise
-    return ep
 
 
 async def connect_tls(

@@ -14,11 +14,11 @@ client would reach it:
 - `lane`: one frame on the same-host lane's unix socket: byte 0 the method id (0 = HELLO), byte
   1 the flags (bit 7: the frame announces the u32 of bytes 2-5 as its length instead of the
   truth; bit 6, with auth: a valid HELLO first), the rest the payload.
-- `tcp`: one frame of the TCP data path (client/transports/ucx_protocol.py): byte 0 the kind, byte 1 flags
-  (bit 0: a foreign magic, bit 1: announce the u32 of bytes 6-9 as meta length, bit 2, with
-  auth: a valid HELLO first), bytes 2-5 aux,
-  bytes 10-11 the meta length (capped by what is left), then the meta, then payload bytes sent
-  if the daemon answers WANT.
+- `tcp`: one frame of the TCP data path (client/transports/tcp_protocol.py): byte 0 the kind,
+  byte 1 flags (bit 0: a foreign magic, bit 1: announce the u32 of bytes 6-9 as meta length,
+  bit 2, with auth: a valid HELLO first), bytes 2-5 aux, bytes 10-11 the meta length (capped by
+  what is left), then the meta, then payload bytes sent right after the frame (a PUT_PAGES
+  carries its payloads in the same send); the input's end ends what the client sends.
 
 A crash is an answer that is not a clean status (UNKNOWN, INTERNAL, an ERROR frame of code
 INTERNAL; tests/fuzz/rpc_calls.py `check`), a complete request left unanswered past a deadline,
@@ -65,18 +65,22 @@ with atheris.instrument_imports(include=["kvstore", "client"]):
     from client.contract.page import HEADER_FIXED_BYTES
     from client.contract.scope import chain_key
     from client.transports.lane_protocol import METHOD_IDS, REQUEST, RESPONSE
+    from client.transports.tcp_protocol import (
+        KIND_LOOKUP,
+        KIND_LOOKUP_HITS,
+        KIND_PUT_PAGES,
+        encode_put_pages,
+    )
     from client.transports.ucx_protocol import (
         KIND_DONE,
         KIND_ERROR,
         KIND_GET,
         KIND_HELLO,
-        KIND_PUT,
-        KIND_WANT,
+        KIND_MANIFEST,
         KIND_WELCOME,
         MAGIC,
         PREAMBLE,
         VERSION,
-        encode_put,
     )
     from kvstore.auth import hash_token
     from kvstore.config import load_config
@@ -110,6 +114,8 @@ CLEAN_CODES = {0} | {code.value[0] for code in (grpc.StatusCode.INVALID_ARGUMENT
     grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNIMPLEMENTED)}  # fmt: skip
 TCP_INTERNAL = 7  # client/transports/ucx_protocol.py: the ERROR code of an exception that is not typed
+TCP_ANSWERED = {KIND_GET, KIND_PUT_PAGES, KIND_LOOKUP}  # a complete one must get an answer
+TCP_ANSWERS = {KIND_MANIFEST, KIND_DONE, KIND_ERROR, KIND_LOOKUP_HITS, KIND_WELCOME}
 _HEADER_FIXED = HEADER_FIXED_BYTES
 _KEY, _PARENT = 28, 44  # offsets of the key and the parent in a page header (client/contract/page.py)
 _U16 = struct.Struct("<H")
@@ -402,7 +408,7 @@ def tcp_hello(sock: socket.socket) -> None:
 def fuzz_tcp(d: Live, data: bytes) -> None:
     if len(data) < 12:
         return
-    kind, flags = data[0] % 10, data[1]
+    kind, flags = data[0] % 12, data[1]
     aux = _U32.unpack_from(data, 2)[0]
     rest = data[12:]
     meta_len = min(_U16.unpack_from(data, 10)[0], len(rest))
@@ -414,33 +420,27 @@ def fuzz_tcp(d: Live, data: bytes) -> None:
     with socket.create_connection(d.tcp, timeout=TIMEOUT_S) as sock:
         if AUTH and flags & TCP_HELLO:
             tcp_hello(sock)
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            sock.sendall(frame)
+        with contextlib.suppress(OSError):  # the daemon may have closed it already
+            sock.sendall(frame + payload)
+            if not lying:
+                sock.shutdown(socket.SHUT_WR)  # what was not sent will not come
         if lying:
             return
-        for _ in range(2):  # the answer; after a WANT, the put's outcome
-            try:
-                head = _recv(sock, PREAMBLE.size)
-            except ConnectionResetError:
-                return
-            except TimeoutError:
-                if kind in (KIND_GET, KIND_PUT) and not flags & 1:
-                    raise AssertionError(
-                        f"tcp frame kind {kind}: no answer in {TIMEOUT_S} s"
-                    ) from None
-                return
-            if head is None:
-                return
-            _, _, got_kind, got_aux, got_meta = PREAMBLE.unpack(head)
-            body = _recv(sock, min(got_meta, 1 << 20)) or b""
-            if got_kind == KIND_ERROR and got_aux == TCP_INTERNAL:
-                raise AssertionError(f"tcp frame kind {kind}: an INTERNAL error: {body[:300]!r}")
-            if got_kind != KIND_WANT:
-                return
-            with contextlib.suppress(OSError):  # the daemon may have closed it already
-                sock.sendall(payload)
-                sock.shutdown(socket.SHUT_WR)  # what was not sent will not come
-        assert got_kind in (KIND_DONE, KIND_ERROR, KIND_WANT)
+        try:
+            head = _recv(sock, PREAMBLE.size)
+        except ConnectionResetError:
+            return
+        except TimeoutError:
+            if kind in TCP_ANSWERED and not flags & 1:
+                raise AssertionError(f"tcp frame kind {kind}: no answer in {TIMEOUT_S} s") from None
+            return
+        if head is None:
+            return
+        _, _, got_kind, got_aux, got_meta = PREAMBLE.unpack(head)
+        body = _recv(sock, min(got_meta, 1 << 20)) or b""
+        if got_kind == KIND_ERROR and got_aux == TCP_INTERNAL:
+            raise AssertionError(f"tcp frame kind {kind}: an INTERNAL error: {body[:300]!r}")
+        assert got_kind in TCP_ANSWERS, f"tcp frame kind {kind} answered kind {got_kind}"
 
 
 FUZZERS = {"rpc": fuzz_rpc, "lane": fuzz_lane, "tcp": fuzz_tcp}
@@ -484,10 +484,16 @@ def seeds(world: World) -> dict[str, bytes]:
         )
         meta = get.SerializeToString()
         out["tcp-get"] = bytes([KIND_GET, TCP_HELLO]) + bytes(8) + _U16.pack(len(meta)) + meta
+        lookup = pb.LookupRequest(
+            scope_digest=s.digest, scope=s.encode(), keys=b"".join(world.known_keys[:3])
+        ).SerializeToString()
+        out["tcp-lookup"] = (
+            bytes([KIND_LOOKUP, TCP_HELLO]) + bytes(8) + _U16.pack(len(lookup)) + lookup
+        )
         begin = pb.PutBegin(scope=s.encode(), page_count=len(pages)).SerializeToString()
-        meta = encode_put(begin, [h for h, _ in pages])
+        meta = encode_put_pages(begin, [h for h, _ in pages], [len(p) for _, p in pages])
         out["tcp-put"] = (
-            bytes([KIND_PUT, TCP_HELLO]) + _U32.pack(len(pages)) + bytes(4) + _U16.pack(len(meta)) + meta
+            bytes([KIND_PUT_PAGES, TCP_HELLO]) + _U32.pack(len(pages)) + bytes(4) + _U16.pack(len(meta)) + meta
             + b"".join(p for _, p in pages)
         )  # fmt: skip
     return out
