@@ -28,8 +28,8 @@ served over TLS; a plaintext one only unless TLS is required (then it is closed 
 from __future__ import annotations
 
 import contextlib
-import math
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -56,7 +56,7 @@ from client.transports.tcp_protocol import (
     encode_tiers,
     split_put_pages,
 )
-from client.transports.tcp_transport import recv_exact, send_parts
+from client.transports.tcp_transport import recv_exact, recv_many, send_parts
 from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -114,6 +114,10 @@ class _Conn:
 
     def send(self, parts: Sequence[bytes | memoryview], timeout_s: float) -> None:
         send_parts(self.sock, parts, time.monotonic() + timeout_s)
+
+    def recv_many(self, parts: Sequence[memoryview], timeout_s: float) -> None:
+        if recv_many(self.sock, parts, time.monotonic() + timeout_s) < sum(p.nbytes for p in parts):
+            raise _PeerGone
 
     def recv(self, into: memoryview, timeout_s: float | None) -> None:
         deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
@@ -530,26 +534,34 @@ class TcpServer:
     def _receive_pages(
         self, conn: _Conn, res: Reservation, sizes: Sequence[int], io: IoClass
     ) -> StrataError | None:
-        """Receive every announced payload: a reserved page's straight into its slot, any other
-        dropped. InvalidArgument (returned, every byte read) for a payload whose announced size
-        is not its header's."""
+        """Receive every announced payload, scattered straight into the reserved pages' slots
+        (any other page's into a scratch buffer, dropped). InvalidArgument (returned, every
+        byte read) for a payload whose announced size is not its header's."""
         dram = self._store.tiers.dram
-        deadline_s = self._put_timeout_s
         error: StrataError | None = None
+        targets: list[memoryview] = []
+        dropped: list[tuple[int, int]] = []
+        for i, slot in enumerate(res.slots):
+            if slot.reserved and slot.length == sizes[i]:
+                if slot.length:
+                    targets.append(dram.view(slot.offset, slot.length))
+                continue
+            if slot.reserved and error is None:
+                error = InvalidArgument(
+                    f"page {i}: {sizes[i]} payload bytes sent, its header says {slot.length}"
+                )
+            if sizes[i]:
+                dropped.append((len(targets), sizes[i]))
+                targets.append(memoryview(b""))
+        if dropped:
+            scratch = memoryview(bytearray(min(max(n for _, n in dropped), _DRAIN_STEP_BYTES)))
+            for at, n in reversed(dropped):  # a dropped payload: scratch views, a step each
+                targets[at : at + 1] = [
+                    scratch[: min(len(scratch), n - k)] for k in range(0, n, len(scratch))
+                ]
         total = sum(s.length for s in res.slots if s.reserved)
         with self._store.scheduler.admit(io, total):
-            start = time.monotonic()
-            for i, slot in enumerate(res.slots):
-                left = max(deadline_s - (time.monotonic() - start), 0.001)
-                if slot.reserved and slot.length == sizes[i]:
-                    if slot.length:
-                        conn.recv(dram.view(slot.offset, slot.length), left)
-                    continue
-                if slot.reserved and error is None:
-                    error = InvalidArgument(
-                        f"page {i}: {sizes[i]} payload bytes sent, its header says {slot.length}"
-                    )
-                self._drain(conn, sizes[i], left)
+            conn.recv_many(targets, self._put_timeout_s)
         return error
 
     def _drain(self, conn: _Conn, n_bytes: int, timeout_s: float | None = None) -> None:

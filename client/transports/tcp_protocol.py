@@ -88,7 +88,15 @@ class Recv:
     into: memoryview
 
 
-Step = Send | Recv
+@dataclass(frozen=True, slots=True)
+class RecvMany:
+    """Fill every byte of each of `parts`, in order (a driver may scatter one receive over
+    many of them)."""
+
+    parts: tuple[memoryview, ...]
+
+
+Step = Send | Recv | RecvMany
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +213,8 @@ def get_op(
     entries = decode_manifest(meta, len(keys))
     headers: list[PageHeader | None] = [None] * len(keys)
     corrupt = 0
-    scratch: bytearray | None = None
+    targets: list[memoryview] = []
+    dropped: list[tuple[int, int]] = []  # (target, size): received and dropped, to stay in step
     for i, entry in enumerate(entries):
         if not entry.present:
             continue
@@ -214,14 +223,19 @@ def get_op(
         header = accept_entry(entry, keys[i], scope_digest, into[i])
         if header is None:
             corrupt += 1
-            if entry.payload_bytes:  # received and dropped, to stay in step
-                if scratch is None or len(scratch) < entry.payload_bytes:
-                    scratch = bytearray(entry.payload_bytes)
-                yield Recv(memoryview(scratch)[: entry.payload_bytes])
+            if entry.payload_bytes:
+                dropped.append((len(targets), entry.payload_bytes))
+                targets.append(memoryview(b""))  # a scratch view, below
             continue
         if entry.payload_bytes:
-            yield Recv(into[i][: entry.payload_bytes])
+            targets.append(into[i][: entry.payload_bytes])
         headers[i] = header
+    if dropped:  # one scratch buffer, received into again and again
+        scratch = memoryview(bytearray(max(size for _, size in dropped)))
+        for at, size in dropped:
+            targets[at] = scratch[:size]
+    if targets:
+        yield RecvMany(tuple(targets))  # every payload straight into its buffer
     if verify:
         for i, header in enumerate(headers):
             if header is None:

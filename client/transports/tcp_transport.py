@@ -40,6 +40,7 @@ from client.transports.tcp_endpoint import (
 from client.transports.tcp_protocol import (
     GetOutcome,
     LookupHits,
+    Recv,
     RemoteError,
     Send,
     Step,
@@ -128,6 +129,37 @@ def recv_exact(sock: socket.socket, into: memoryview, deadline: float) -> int:
     return got
 
 
+def recv_many(sock: socket.socket, parts: Sequence[memoryview], deadline: float) -> int:
+    """Fill each of `parts` in order from `sock` before `deadline`: on a plain socket one
+    `recvmsg_into` scatters what has arrived over many of them. Returns the bytes received
+    (short of their total only when the peer closed)."""
+    if isinstance(sock, ssl.SSLSocket):
+        got = 0
+        for part in parts:
+            n = recv_exact(sock, part, deadline)
+            got += n
+            if n < part.nbytes:
+                break
+        return got
+    pending = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts if p.nbytes]
+    got = 0
+    while pending:
+        sock.settimeout(_remaining(deadline))
+        n, _, _, _ = sock.recvmsg_into(pending[:_MAX_IOV])
+        if n == 0:
+            return got
+        got += n
+        while n and pending:
+            size = pending[0].nbytes
+            if n >= size:
+                n -= size
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+    return got
+
+
 def drive(sock: socket.socket, op: Op[T], deadline: float) -> T:
     """Run the operation `op` on the blocking socket `sock`. Raises what `op` raises, _Closed
     when the peer ends the connection, TimeoutError past `deadline`, OSError."""
@@ -141,11 +173,12 @@ def drive(sock: socket.socket, op: Op[T], deadline: float) -> T:
                 except (BrokenPipeError, ConnectionResetError) as exc:
                     raise _Closed(f"TCP send failed: {exc}", replied) from None
             else:
+                parts = (step.into,) if isinstance(step, Recv) else step.parts
                 try:
-                    got = recv_exact(sock, step.into, deadline)
+                    got = recv_many(sock, parts, deadline)
                 except ConnectionResetError as exc:
                     raise _Closed(f"TCP receive failed: {exc}", replied) from None
-                if got < step.into.nbytes:
+                if got < sum(p.nbytes for p in parts):
                     raise _Closed("the daemon closed the TCP connection", replied or got > 0)
                 replied = True
             step = op.send(None)
@@ -338,8 +371,11 @@ async def drive_async(ep: ByteStream, op: Op[T]) -> T:
                 for part in step.parts:
                     if len(part):
                         await ep.send(part)
-            else:
+            elif isinstance(step, Recv):
                 await ep.recv(step.into)
+            else:
+                for view in step.parts:
+                    await ep.recv(view)
             step = op.send(None)
     except StopIteration as stop:
         return stop.value  # type: ignore[no-any-return]

@@ -60,11 +60,11 @@ def run(op: Generator[Step, None, T], reply: bytes) -> tuple[T, list[Send]]:
             if isinstance(step, Send):
                 sends.append(step)
             else:
-                assert isinstance(step, Recv)
-                n = step.into.nbytes
-                assert pos + n <= len(reply), "the operation reads past the reply"
-                step.into[:] = reply[pos : pos + n]
-                pos += n
+                for view in (step.into,) if isinstance(step, Recv) else step.parts:
+                    n = view.nbytes
+                    assert pos + n <= len(reply), "the operation reads past the reply"
+                    view[:] = reply[pos : pos + n]
+                    pos += n
             step = op.send(None)
     except StopIteration as stop:
         assert pos == len(reply), "the operation left part of the reply unread"
