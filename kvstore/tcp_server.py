@@ -94,6 +94,9 @@ _STATUS = {
     "pending": store_pb2.PUT_STATUS_PENDING,
     "present": store_pb2.PUT_STATUS_ALREADY_PRESENT,
 }
+# Connections served at once (a thread each); beyond this a new one is closed at once, so a
+# flood of connections cannot exhaust the daemon's threads.
+MAX_CONNECTIONS = 512
 # With auth on, a connection's first frame (HELLO) must arrive within this long, else it is
 # closed: an unauthenticated connection holds nothing for longer.
 HELLO_TIMEOUT_S = 10.0
@@ -155,6 +158,7 @@ class TcpServer:
         self._threads: set[threading.Thread] = set()
         self._acceptor: threading.Thread | None = None
         self._stopping = False
+        self._full = False  # (said once per time the cap is reached)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -228,6 +232,17 @@ class TcpServer:
                 if self._stopping:
                     conn.close()
                     return
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    if not self._full:
+                        log.warning(
+                            "TCP data path: %d connections open; new ones are closed until "
+                            "some end",
+                            MAX_CONNECTIONS,
+                        )
+                    self._full = True
+                    continue
+                self._full = False
                 thread = threading.Thread(
                     target=self._serve, args=(conn,), name="strata-tcp-conn", daemon=True
                 )

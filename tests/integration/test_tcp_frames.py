@@ -15,6 +15,7 @@ import pytest
 from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope, tokens_of
 from test_ucx_path import LARGE, SMALL, prompt
 
+import kvstore.tcp_server
 from client import Page
 from client.contract.errors import InvalidArgument
 from client.contract.scope import Scope
@@ -293,3 +294,26 @@ def test_the_asyncio_driver_puts_gets_and_looks_up(
     assert ([h is not None for h in got.headers], hits.hit_count) == ([True] * 3, 3)
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
     _no_leases(daemon)
+
+
+def test_connections_beyond_the_cap_are_closed_until_some_end(
+    daemon_factory: DaemonFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvstore.tcp_server, "MAX_CONNECTIONS", 2)
+    daemon = daemon_factory(dram="64MiB", ssd=None, settings=TCP_ON)
+    scope = make_scope(layout=SMALL)
+    server = daemon.daemon._tcp
+    assert server is not None
+    held = [_connect(daemon), _connect(daemon)]
+    assert wait_for(lambda: server.connection_count() == 2, timeout_s=5)
+    with _connect(daemon) as extra:
+        assert _closed(extra)  # over the cap: closed at once
+    for sock in held:
+        sock.sendall(lookup_frame(scope, []))
+        assert _frame(sock) == (KIND_LOOKUP_HITS, 0, b"")  # the others are served on
+    held.pop().close()
+    assert wait_for(lambda: server.connection_count() == 1, timeout_s=5)
+    with _connect(daemon) as again:
+        again.sendall(lookup_frame(scope, []))
+        assert _frame(again) == (KIND_LOOKUP_HITS, 0, b"")
+    held[0].close()
