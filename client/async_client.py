@@ -44,16 +44,20 @@ from client.core import put as put_op
 from client.core.frames import GET_METHOD, PUT_METHOD
 from client.core.requests import check_node, scope_bytes
 from client.core.retry import RetryPolicy
-from client.core.route import Route, Settings, verifies
+from client.core.route import Route, Settings
+from client.core.run import Run
 from client.core.steps import (
     BULK_FAILED,
     BulkGet,
+    BulkLookup,
     BulkPut,
     Call,
     Cancel,
     CheckSegments,
+    Connect,
     CopyIn,
     CopyOut,
+    Dropped,
     Join,
     Pause,
     Plan,
@@ -73,6 +77,7 @@ from client.transports._wire import (
     raw_bytes,
     resolve_token,
     tune_malloc,
+    typed_error,
 )
 from client.transports.shm import (
     SegmentMap,
@@ -216,17 +221,11 @@ class AsyncStoreClient:
 
     async def node_info(self) -> NodeInfo:
         """Fresh identity, capacities and limits of the node. Read-only; retried."""
-        conn = await self._ready()
-        return await self._drive(conn.stub, conn, admin.node_info(self._settings))
+        return await self._drive(admin.node_info(self._settings))
 
     async def lookup(self, scope: Scope, keys: Sequence[bytes]) -> LookupResult:
         """Longest present prefix of the key chain `keys`; see `StoreClient.lookup`."""
-        packed = lookup_op.checked_lookup(keys)
-        if not keys:
-            return LookupResult(hit_count=0, tiers=())
-        conn = await self._ready()
-        plan = lookup_op.lookup(scope, keys, packed, Route(conn.node.limits), self._settings)
-        return await self._drive(conn.stub, conn, plan)
+        return await self._drive(lookup_op.lookup(scope, keys, self._settings))
 
     async def put(
         self,
@@ -240,20 +239,17 @@ class AsyncStoreClient:
     ) -> PutResult:
         """Publish `pages`; one status per page. See `StoreClient.put` (and its
         `chain_prefixes`)."""
-        args = put_op.checked_put(scope, pages, chain_prefixes, prefix_tokens)
-        if not pages:
-            return PutResult(statuses=())
-        conn = await self._ready()
         plan = put_op.put(
             scope,
-            args,
-            await self._route(conn),
-            self._settings,
-            io=self._settings.io(io_class),
+            pages,
+            io_class=io_class,
             tier=tier,
+            chain_prefixes=chain_prefixes,
+            prefix_tokens=prefix_tokens,
+            settings=self._settings,
             client_pid=os.getpid(),
         )
-        return await self._drive(conn.stub, conn, plan)
+        return await self._drive(plan)
 
     async def get(
         self,
@@ -266,36 +262,24 @@ class AsyncStoreClient:
         verify: bool | None = None,
     ) -> GetResult:
         """Copy each present page's payload into `into[i]`. See `StoreClient.get`."""
-        args = get_op.checked_get(scope, keys, into, tokens)
-        if not keys:
-            return GetResult(headers=())
-        conn = await self._ready()
-        route = await self._route(conn)
         plan = get_op.get(
             scope,
-            args,
-            route,
-            self._settings,
-            io=self._settings.io(io_class),
-            verify=verifies(route, verify),
+            keys,
+            into,
+            tokens=tokens,
+            io_class=io_class,
+            verify=verify,
+            settings=self._settings,
         )
-        fetched = await self._drive(conn.stub, conn, plan)
-        self.corrupt_pages += fetched.corrupt
-        return fetched.result
+        return await self._drive(plan)
 
     async def delete(self, scope: Scope | None = None, keys: Sequence[bytes] | None = None) -> int:
         """Delete the pages `keys`, or every page of `scope` (exactly one); the count deleted."""
-        packed = admin.checked_delete(scope, keys)
-        if scope is None and not keys:
-            return 0
-        conn = await self._ready()
-        plan = admin.delete(scope, keys or (), packed, conn.node.limits, self._settings)
-        return await self._drive(conn.stub, conn, plan)
+        return await self._drive(admin.delete(scope, keys, self._settings))
 
     async def stats(self) -> StoreStats:
         """Daemon-wide counters. Read-only; retried."""
-        conn = await self._ready()
-        return await self._drive(conn.stub, conn, admin.stats(self._settings))
+        return await self._drive(admin.stats(self._settings))
 
     def watch(
         self, scope: Scope | None = None, *, timeout_s: float | None = WATCH_TIMEOUT_S
@@ -305,24 +289,29 @@ class AsyncStoreClient:
 
     # ---- the driver: the core's steps, taken with awaits -----------------------------------
 
-    async def _drive(self, stub: StoreAsyncStub, conn: _Connection | None, plan: Plan[R]) -> R:
-        """Run `plan` to its result: take each step it yields, send back what the step gave or
-        throw in its failure as a typed error (`conn` None: control calls on `stub` only)."""
-        sent: object = None
-        error: BaseException | None = None
-        while True:
+    async def _drive(self, plan: Plan[R], stub: StoreAsyncStub | None = None) -> R:
+        """Run `plan` to its result: take each step it yields, hand back what the step gave or
+        throw in its failure as a typed error. `stub`: the control calls of a connection being
+        opened (the plan then yields no `Connect`)."""
+        run = Run(plan)
+        conn: _Connection | None = None
+        outcome: object
+        step = run.advance()
+        while step is not None:
             try:
-                step = plan.send(sent) if error is None else plan.throw(error)
-            except StopIteration as done:
-                return cast(R, done.value)
-            error = None
-            try:
-                sent = await self._take(stub, conn, step)
-            except grpc.RpcError as exc:
-                error = map_rpc_error(exc)
-                error.__cause__ = exc
+                if isinstance(step, Connect):
+                    conn = await self._ready()
+                    stub = conn.stub
+                    outcome = await self._route(conn, step.data)
+                elif stub is None:
+                    raise StrataError(f"{step!r} before Connect")
+                else:
+                    outcome = await self._take(stub, conn, step)
             except BaseException as exc:
-                error = exc
+                step = run.advance(error=typed_error(exc))
+            else:
+                step = run.advance(outcome)
+        return run.result
 
     async def _take(self, stub: StoreAsyncStub, conn: _Connection | None, step: Step) -> object:
         if isinstance(step, Call):
@@ -346,6 +335,9 @@ class AsyncStoreClient:
             case Release(lease_id=lease_id):
                 self._release_later(conn, lease_id)
                 return None
+            case Dropped(count=count):
+                self.corrupt_pages += count
+                return None
             case Start():
                 function = getattr(stub, step.method)
                 started = function(step.request, timeout=step.timeout_s, metadata=self._metadata)
@@ -364,6 +356,8 @@ class AsyncStoreClient:
                 return await self._bulk_get(conn, step)
             case BulkPut():
                 return await self._bulk_put(conn, step)
+            case BulkLookup():
+                return await self._bulk_lookup(conn, step)
         raise AssertionError(f"unknown step {step!r}")
 
     async def _stream_get(self, conn: _Connection, step: StreamGet) -> None:
@@ -406,8 +400,7 @@ class AsyncStoreClient:
         if ucx is None:
             return BULK_FAILED
         try:
-            outcome = await asyncio.to_thread(
-                ucx.get,
+            outcome = await ucx.get_async(
                 step.request,
                 step.scope_digest,
                 step.keys,
@@ -420,13 +413,24 @@ class AsyncStoreClient:
             return BULK_FAILED
         return outcome.headers, outcome.corrupt
 
+    async def _bulk_lookup(self, conn: _Connection, step: BulkLookup) -> object:
+        ucx = await self._bulk(conn)
+        if ucx is None:
+            return BULK_FAILED
+        try:
+            hits = await ucx.lookup_async(step.request, step.asked, timeout_s=step.timeout_s)
+        except TransportFailed as exc:
+            await asyncio.to_thread(self._ucx.give_up, exc)
+            return BULK_FAILED
+        return hits.tiers
+
     async def _bulk_put(self, conn: _Connection, step: BulkPut) -> object:
         ucx = await self._bulk(conn)
         if ucx is None:
             return BULK_FAILED
         try:
-            return await asyncio.to_thread(
-                ucx.put, step.begin, step.headers, step.payloads, timeout_s=step.timeout_s
+            return await ucx.put_async(
+                step.begin, step.headers, step.payloads, timeout_s=step.timeout_s
             )
         except TransportFailed as exc:
             await asyncio.to_thread(self._ucx.give_up, exc)
@@ -434,12 +438,15 @@ class AsyncStoreClient:
 
     # ---- plumbing --------------------------------------------------------------------------
 
-    async def _route(self, conn: _Connection) -> Route:
-        """What `conn` offers a put or a get (the bulk path is settled on first ask)."""
+    async def _route(self, conn: _Connection, data: bool) -> Route:
+        """What `conn` offers a call (`data`: one that may take the bulk path, settled here on
+        first ask)."""
+        bulk = await self._bulk(conn) if data else None
         return Route(
             limits=conn.node.limits,
             same_host=bool(conn.maps),
-            bulk=await self._bulk(conn) is not None,
+            bulk=bulk is not None,
+            bulk_lookups=bulk is not None and bulk.tcp is not None,
             pipelined=True,
         )
 
@@ -480,7 +487,7 @@ class AsyncStoreClient:
         channel = open_aio_channel(self.address, options, self._tls)
         try:
             stub = _async_stub(channel)
-            node = await self._drive(stub, None, admin.node_info(self._settings))
+            node = await self._drive(admin.node_info(self._settings, connect=False), stub)
             check_node(node)
             maps = map_node_segments(node, self._shared_memory)
         except BaseException:

@@ -54,16 +54,20 @@ from client.core import put as put_op
 from client.core.frames import GET_METHOD, PUT_METHOD
 from client.core.requests import check_node, scope_bytes
 from client.core.retry import Deadline, RetryPolicy
-from client.core.route import Route, Settings, verifies
+from client.core.route import Route, Settings
+from client.core.run import Run
 from client.core.steps import (
     BULK_FAILED,
     BulkGet,
+    BulkLookup,
     BulkPut,
     Call,
     Cancel,
     CheckSegments,
+    Connect,
     CopyIn,
     CopyOut,
+    Dropped,
     Join,
     Pause,
     Plan,
@@ -83,6 +87,7 @@ from client.transports._wire import (
     raw_bytes,
     resolve_token,
     tune_malloc,
+    typed_error,
     with_token,
 )
 from client.transports.hostid import host_id
@@ -255,20 +260,14 @@ class StoreClient:
 
     def node_info(self) -> NodeInfo:
         """Fresh identity, capacities and limits of the node. Read-only; retried."""
-        conn = self._ready()
-        return self._drive(conn.stub, conn, admin.node_info(self._settings))
+        return self._drive(admin.node_info(self._settings))
 
     def lookup(self, scope: Scope, keys: Sequence[bytes]) -> LookupResult:
         """Longest present prefix of the key chain `keys`, with the tier of each hit.
 
         Read-only; retried. InvalidArgument for a malformed key (before any RPC).
         """
-        packed = lookup_op.checked_lookup(keys)
-        if not keys:
-            return LookupResult(hit_count=0, tiers=())
-        conn = self._ready()
-        plan = lookup_op.lookup(scope, keys, packed, Route(conn.node.limits), self._settings)
-        return self._drive(conn.stub, conn, plan)
+        return self._drive(lookup_op.lookup(scope, keys, self._settings))
 
     def put(
         self,
@@ -295,20 +294,17 @@ class StoreClient:
         any RPC) for a page of another scope or layout, or a payload of the wrong size;
         CapacityExhausted when the store is full (see `retry_after_s`).
         """
-        args = put_op.checked_put(scope, pages, chain_prefixes, prefix_tokens)
-        if not pages:
-            return PutResult(statuses=())
-        conn = self._ready()
         plan = put_op.put(
             scope,
-            args,
-            self._route(conn),
-            self._settings,
-            io=self._settings.io(io_class),
+            pages,
+            io_class=io_class,
             tier=tier,
+            chain_prefixes=chain_prefixes,
+            prefix_tokens=prefix_tokens,
+            settings=self._settings,
             client_pid=os.getpid(),
         )
-        return self._drive(conn.stub, conn, plan)
+        return self._drive(plan)
 
     def get(
         self,
@@ -334,37 +330,25 @@ class StoreClient:
         buffer of at least a page per key and `tokens` one full page of ids per key. A miss
         leaves its buffer's contents unspecified.
         """
-        args = get_op.checked_get(scope, keys, into, tokens)
-        if not keys:
-            return GetResult(headers=())
-        conn = self._ready()
-        route = self._route(conn)
         plan = get_op.get(
             scope,
-            args,
-            route,
-            self._settings,
-            io=self._settings.io(io_class),
-            verify=verifies(route, verify),
+            keys,
+            into,
+            tokens=tokens,
+            io_class=io_class,
+            verify=verify,
+            settings=self._settings,
         )
-        fetched = self._drive(conn.stub, conn, plan)
-        self._count_corrupt(fetched.corrupt)
-        return fetched.result
+        return self._drive(plan)
 
     def delete(self, scope: Scope | None = None, keys: Sequence[bytes] | None = None) -> int:
         """Delete the pages `keys`, or every page of `scope` (exactly one of the two); returns
         how many were deleted. Mutates; retried (deleting twice deletes nothing more)."""
-        packed = admin.checked_delete(scope, keys)
-        if scope is None and not keys:
-            return 0
-        conn = self._ready()
-        plan = admin.delete(scope, keys or (), packed, conn.node.limits, self._settings)
-        return self._drive(conn.stub, conn, plan)
+        return self._drive(admin.delete(scope, keys, self._settings))
 
     def stats(self) -> StoreStats:
         """Daemon-wide counters. Read-only; retried."""
-        conn = self._ready()
-        return self._drive(conn.stub, conn, admin.stats(self._settings))
+        return self._drive(admin.stats(self._settings))
 
     def watch(
         self, scope: Scope | None = None, *, timeout_s: float | None = WATCH_TIMEOUT_S
@@ -385,24 +369,29 @@ class StoreClient:
 
     # ---- the driver: the core's steps, taken with blocking calls ----------------------------
 
-    def _drive(self, stub: StoreStub, conn: _Connection | None, plan: Plan[R]) -> R:
-        """Run `plan` to its result: take each step it yields, send back what the step gave or
-        throw in its failure as a typed error (`conn` None: control calls on `stub` only)."""
-        sent: object = None
-        error: BaseException | None = None
-        while True:
+    def _drive(self, plan: Plan[R], stub: StoreStub | None = None) -> R:
+        """Run `plan` to its result: take each step it yields, hand back what the step gave or
+        throw in its failure as a typed error. `stub`: the control calls of a connection being
+        opened (the plan then yields no `Connect`)."""
+        run = Run(plan)
+        conn: _Connection | None = None
+        outcome: object
+        step = run.advance()
+        while step is not None:
             try:
-                step = plan.send(sent) if error is None else plan.throw(error)
-            except StopIteration as done:
-                return cast(R, done.value)
-            error = None
-            try:
-                sent = self._take(stub, conn, step)
-            except grpc.RpcError as exc:
-                error = map_rpc_error(exc)
-                error.__cause__ = exc
+                if isinstance(step, Connect):
+                    conn = self._ready()
+                    stub = conn.stub
+                    outcome = self._route(conn, step.data)
+                elif stub is None:
+                    raise StrataError(f"{step!r} before Connect")
+                else:
+                    outcome = self._take(stub, conn, step)
             except BaseException as exc:
-                error = exc
+                step = run.advance(error=typed_error(exc))
+            else:
+                step = run.advance(outcome)
+        return run.result
 
     def _take(self, stub: StoreStub, conn: _Connection | None, step: Step) -> object:
         if isinstance(step, Call):
@@ -425,6 +414,9 @@ class StoreClient:
             case Release(lease_id=lease_id):
                 self._release_later(conn, lease_id)
                 return None
+            case Dropped(count=count):
+                self._count_corrupt(count)
+                return None
             case Start():
                 method = getattr(stub, step.method)
                 if isinstance(stub, LaneStub):
@@ -444,6 +436,8 @@ class StoreClient:
                 return self._bulk_get(conn, step)
             case BulkPut():
                 return self._bulk_put(conn, step)
+            case BulkLookup():
+                return self._bulk_lookup(conn, step)
         raise AssertionError(f"unknown step {step!r}")
 
     def _stream_get(self, conn: _Connection, step: StreamGet) -> None:
@@ -490,6 +484,16 @@ class StoreClient:
             return BULK_FAILED
         return outcome.headers, outcome.corrupt
 
+    def _bulk_lookup(self, conn: _Connection, step: BulkLookup) -> object:
+        ucx = self._ucx_for(conn)
+        if ucx is None:
+            return BULK_FAILED
+        try:
+            return ucx.lookup(step.request, step.asked, timeout_s=step.timeout_s).tiers
+        except TransportFailed as exc:
+            self._ucx.give_up(exc)
+            return BULK_FAILED
+
     def _bulk_put(self, conn: _Connection, step: BulkPut) -> object:
         ucx = self._ucx_for(conn)
         if ucx is None:
@@ -502,12 +506,15 @@ class StoreClient:
 
     # ---- plumbing --------------------------------------------------------------------------
 
-    def _route(self, conn: _Connection) -> Route:
-        """What `conn` offers a put or a get (the bulk path is settled on first ask)."""
+    def _route(self, conn: _Connection, data: bool) -> Route:
+        """What `conn` offers a call (`data`: one that may take the bulk path, settled here on
+        first ask)."""
+        bulk = self._ucx_for(conn) if data else None
         return Route(
             limits=conn.node.limits,
             same_host=bool(conn.maps),
-            bulk=self._ucx_for(conn) is not None,
+            bulk=bulk is not None,
+            bulk_lookups=bulk is not None and bulk.tcp is not None,
             pipelined=isinstance(conn.stub, LaneStub),
         )
 
@@ -537,7 +544,7 @@ class StoreClient:
         channel = open_channel(self.address, channel_options(self._max_message_bytes), self._tls)
         try:
             stub = with_token(StoreStub(channel), self._token)
-            node = self._drive(stub, None, admin.node_info(self._settings))
+            node = self._drive(admin.node_info(self._settings, connect=False), stub)
             check_node(node)
             # a daemon of another user may hand its segment over the lane (auth.local_uids)
             handable = (

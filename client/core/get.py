@@ -5,13 +5,12 @@ Pure: yields steps (client/core/steps.py). Same host: Acquire, then the copy out
 slots, then the lease released in the background (the get pays one round trip). Bulk (UCX or
 TCP): one transfer straight into the buffers; should the path itself fail, this batch and the
 rest go over gRPC. gRPC: one Get stream per batch, reassembled and verified as it arrives.
-A page dropped by verification is a miss, counted in `Fetched.corrupt`.
+A page dropped by verification is a miss, reported in one `Dropped` step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 from client.contract.page import PageHeader
@@ -32,12 +31,14 @@ from client.core.requests import (
     scope_bytes,
 )
 from client.core.retry import call, retried
-from client.core.route import Route, Settings, get_path
+from client.core.route import Route, Settings, get_path, verifies
 from client.core.steps import (
     BULK_FAILED,
     BulkGet,
     CheckSegments,
+    Connect,
     CopyOut,
+    Dropped,
     Plan,
     Release,
     StreamGet,
@@ -47,60 +48,50 @@ from kvstore_pb import store_pb2 as pb
 Headers = tuple[PageHeader | bytes | None, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class GetArgs:
-    """A get's arguments, checked before any I/O."""
-
-    keys: Sequence[bytes]
-    packed: bytes
-    into: list[memoryview]
-    expected: list[bytes] | None
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    """A get's result and how many pages verification dropped (each also a miss)."""
-
-    result: GetResult
-    corrupt: int
-
-
-def checked_get(
+def get(
     scope: Scope,
     keys: Sequence[bytes],
     into: Sequence[WritableBuffer],
+    *,
     tokens: Sequence[Sequence[int]] | None,
-) -> GetArgs:
-    """InvalidArgument unless every key is well formed, `into` has one writable, C-contiguous
-    buffer of at least a page per key and `tokens` one full page of ids per key (or is None)."""
-    packed = packed_keys(keys)
+    io_class: IoClass | None,
+    verify: bool | None,
+    settings: Settings,
+) -> Plan[GetResult]:
+    """InvalidArgument (before any I/O) unless every key is well formed, `into` has one
+    writable, C-contiguous buffer of at least a page per key and `tokens` one full page of ids
+    per key (or is None, the caller's explicit opt-out of the token check)."""
+    packed_all = packed_keys(keys)
     views = destination_views(scope, keys, into)
-    return GetArgs(keys, packed, views, checked_tokens(scope, keys, tokens))
-
-
-def get(
-    scope: Scope, args: GetArgs, route: Route, settings: Settings, *, io: IoClass, verify: bool
-) -> Plan[Fetched]:
+    expected = checked_tokens(scope, keys, tokens)
+    if not keys:
+        return GetResult(headers=())
+    route = cast(Route, (yield Connect(data=True)))
+    io = settings.io(io_class)
+    check = verifies(route, verify)
     path = get_path(route)
     headers: list[PageHeader | bytes | None] = []
     corrupt = 0
-    for r in batch_ranges(len(args.keys), route.limits.max_keys_per_call):
-        keys = args.keys[r.start : r.stop]
-        packed = args.packed[r.start * KEY_BYTES : r.stop * KEY_BYTES]
-        into = args.into[r.start : r.stop]
+    for r in batch_ranges(len(keys), route.limits.max_keys_per_call):
+        part_keys = keys[r.start : r.stop]
+        packed = packed_all[r.start * KEY_BYTES : r.stop * KEY_BYTES]
+        part_views = views[r.start : r.stop]
+        batch = (scope, part_keys, packed, part_views, io, check, settings)
         part: tuple[Headers, int] | None = None
         if path == "shm":
-            part = yield from _get_shm(scope, keys, packed, into, io, verify, settings)
+            part = yield from _get_shm(*batch)
         elif path == "bulk":
-            part = yield from _get_bulk(scope, keys, packed, into, io, verify, settings)
+            part = yield from _get_bulk(*batch)
             if part is None:
                 path = "grpc"
         if part is None:
-            part = yield from _get_grpc(scope, keys, packed, into, io, verify, settings)
+            part = yield from _get_grpc(*batch)
         headers.extend(part[0])
         corrupt += part[1]
-    matched, rejected = match_tokens(scope, headers, args.expected)
-    return Fetched(GetResult(matched, rejected), corrupt)
+    if corrupt:
+        yield Dropped(corrupt)
+    matched, rejected = match_tokens(scope, headers, expected)
+    return GetResult(matched, rejected)
 
 
 def _request(scope: Scope, packed: bytes, io: IoClass) -> pb.GetRequest:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 from client.contract.scope import Scope
@@ -34,6 +33,7 @@ from client.core.steps import (
     BulkPut,
     Cancel,
     CheckSegments,
+    Connect,
     CopyIn,
     Join,
     Plan,
@@ -50,63 +50,44 @@ _PIPELINE_PARTS = 2  # four measured no better
 Statuses = tuple[PutStatus, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class PutArgs:
-    """A put's arguments, checked before any I/O: each page's payload view and the chain
-    prefixes that vouch for its ancestors (token ids as little-endian uint32)."""
-
-    pages: Sequence[Page]
-    views: list[memoryview]
-    chain_prefix: list[bytes]
-
-
-def checked_put(
-    scope: Scope,
-    pages: Sequence[Page],
-    chain_prefixes: Sequence[Sequence[int]],
-    prefix_tokens: Sequence[int],
-) -> PutArgs:
-    """InvalidArgument for a page of another scope or layout, a payload of the wrong size, or
-    a token id that is not a uint32."""
-    views = payload_views(scope, pages)
-    prefix = [tokens_le(p) for p in (*chain_prefixes, prefix_tokens) if p]
-    return PutArgs(pages, views, prefix)
-
-
 def put(
     scope: Scope,
-    args: PutArgs,
-    route: Route,
-    settings: Settings,
+    pages: Sequence[Page],
     *,
-    io: IoClass,
+    io_class: IoClass | None,
     tier: Tier | None,
+    chain_prefixes: Sequence[Sequence[int]],
+    prefix_tokens: Sequence[int],
+    settings: Settings,
     client_pid: int,
 ) -> Plan[PutResult]:
-    """`client_pid`: this process's id, which the daemon records with a same-host reservation."""
+    """InvalidArgument (before any I/O) for a page of another scope or layout, a payload of the
+    wrong size, or a token id that is not a uint32. `client_pid`: this process's id, which the
+    daemon records with a same-host reservation."""
+    all_views = payload_views(scope, pages)
+    prefix = [tokens_le(p) for p in (*chain_prefixes, prefix_tokens) if p]
+    if not pages:
+        return PutResult(statuses=())
+    route = cast(Route, (yield Connect(data=True)))
+    io = settings.io(io_class)
     path = put_path(route, tier)
     statuses: list[PutStatus] = []
-    for r in batch_ranges(len(args.pages), route.limits.max_keys_per_call):
-        pages = args.pages[r.start : r.stop]
-        views = args.views[r.start : r.stop]
+    for r in batch_ranges(len(pages), route.limits.max_keys_per_call):
+        part_pages = pages[r.start : r.stop]
+        views = all_views[r.start : r.stop]
         part: Statuses | None = None
         if path == "shm":
-            if len(pages) >= PIPELINE_MIN_PAGES and route.pipelined:
-                part = yield from _put_shm_pipelined(
-                    scope, pages, views, io, args.chain_prefix, client_pid, settings
-                )
+            shm = (scope, part_pages, views, io, prefix, client_pid, settings)
+            if len(part_pages) >= PIPELINE_MIN_PAGES and route.pipelined:
+                part = yield from _put_shm_pipelined(*shm)
             else:
-                part = yield from _put_shm(
-                    scope, pages, views, io, args.chain_prefix, client_pid, settings
-                )
+                part = yield from _put_shm(*shm)
         elif path == "bulk":
-            part = yield from _put_bulk(scope, pages, views, io, tier, args.chain_prefix, settings)
+            part = yield from _put_bulk(scope, part_pages, views, io, tier, prefix, settings)
             if part is None:
                 path = "grpc"
         if part is None:
-            part = yield from _put_grpc(
-                scope, pages, views, io, tier, args.chain_prefix, route, settings
-            )
+            part = yield from _put_grpc(scope, part_pages, views, io, tier, prefix, route, settings)
         statuses.extend(part)
     return PutResult(statuses=tuple(statuses))
 
@@ -116,7 +97,7 @@ def _reserve_request(
 ) -> pb.ReserveRequest:
     return pb.ReserveRequest(
         scope=scope.encode(),
-        # a checksum not computed yet is left to the daemon: the writer never hashes its payloads
+        # a page whose payload checksum is still pending leaves it to the daemon (page.py)
         headers=[p.header.encode_for_same_host() for p in pages],
         io_class=io_class_value(io),
         client_pid=client_pid,

@@ -38,13 +38,15 @@ class Route:
     """What the connection a call runs on offers.
 
     `limits`: the node's. `same_host`: the daemon's segments are mapped here. `bulk`: a UCX or
-    TCP data path is open to the daemon (remote only). `pipelined`: the shell can keep two
-    control calls in flight (`Start`/`Join`), so a large same-host put overlaps its halves.
+    TCP data path is open to the daemon (remote only); `bulk_lookups`: it serves lookups too
+    (TCP does, UCX does not). `pipelined`: the shell can keep two control calls in flight
+    (`Start`/`Join`), so a large same-host put overlaps its halves.
     """
 
     limits: Limits
     same_host: bool = False
     bulk: bool = False
+    bulk_lookups: bool = False
     pipelined: bool = False
 
 
@@ -61,6 +63,12 @@ def get_path(route: Route) -> Path:
     if route.same_host:
         return "shm"
     return "bulk" if route.bulk else "grpc"
+
+
+def lookup_path(route: Route) -> Path:
+    """A lookup goes over the TCP data path when one is open (one round trip on a connection
+    already made), else over the control channel (the lane on the same host, or gRPC)."""
+    return "bulk" if route.bulk_lookups and not route.same_host else "grpc"
 
 
 def verifies(route: Route, verify: bool | None) -> bool:

@@ -10,6 +10,8 @@ once. A step names what to do, never how: no channel, socket or loop appears in 
 
 What each step sends back (the shell's half of the contract):
 
+- `Connect`: the `Route` of the connection the call runs on, connecting first if need be (an
+  operation yields it after checking its arguments, so a bad call fails before any I/O).
 - `Call`: the reply message (one attempt of a unary control call; gRPC or the same-host lane).
 - `Start`: an opaque handle of the call now in flight; `Join(handle)`: its reply;
   `Cancel(handle)`: None (the reply, if any, is ignored).
@@ -25,6 +27,9 @@ What each step sends back (the shell's half of the contract):
 - `BulkGet`: `(headers, corrupt)` from the UCX or TCP data path, or `BULK_FAILED` when that
   path itself failed (the shell has given it up for the client): the plan goes on over gRPC.
 - `BulkPut`: the put statuses, or `BULK_FAILED` likewise.
+- `BulkLookup`: the tier of each hit (a tuple of `Tier`) over the TCP data path, or
+  `BULK_FAILED` likewise.
+- `Dropped`: None, after adding `count` to the client's `corrupt_pages`.
 """
 
 from __future__ import annotations
@@ -41,6 +46,14 @@ from kvstore_pb import store_pb2 as pb
 
 R = TypeVar("R")
 M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    """Connect (if not yet connected). `data`: the call may use the bulk data path, so settle
+    it (open it on first use) before answering."""
+
+    data: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +153,22 @@ class BulkPut:
     timeout_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class BulkLookup:
+    """A lookup over the TCP data path: `request` a serialized LookupRequest of `asked` keys."""
+
+    request: bytes
+    asked: int
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """Pages a get dropped by verification (each also a miss), for the client's count."""
+
+    count: int
+
+
 class _BulkFailed:
     __slots__ = ()
 
@@ -151,7 +180,8 @@ BULK_FAILED: Final = _BulkFailed()
 """What a bulk step sends back when the UCX or TCP path itself failed (use gRPC instead)."""
 
 Step: TypeAlias = (
-    Call
+    Connect
+    | Call
     | Start
     | Join
     | Cancel
@@ -164,6 +194,8 @@ Step: TypeAlias = (
     | Release
     | BulkGet
     | BulkPut
+    | BulkLookup
+    | Dropped
 )
 Plan: TypeAlias = Generator[Step, object, R]
 """An operation: yields steps, is sent each step's outcome, returns the result."""

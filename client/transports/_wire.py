@@ -127,6 +127,7 @@ __all__ = [
     "tier_of",
     "tier_value",
     "tune_malloc",
+    "typed_error",
     "varint",
     "with_token",
 ]
@@ -179,6 +180,16 @@ def map_rpc_error(exc: BaseException) -> StrataError:
     details = details_fn() if callable(details_fn) else ""
     trailing = trailing_fn() if callable(trailing_fn) else None
     return error_from_status(code_fn(), str(details or ""), _pairs(trailing))
+
+
+def typed_error(exc: BaseException) -> BaseException:
+    """What a client shell throws into a plan for a step that failed: a gRPC failure as its
+    typed error (with the gRPC error as its cause), anything else as it is."""
+    if isinstance(exc, grpc.RpcError) and not isinstance(exc, StrataError):
+        error = map_rpc_error(exc)
+        error.__cause__ = exc
+        return error
+    return exc
 
 
 def _pairs(metadata: object) -> list[tuple[str, str | bytes]]:
