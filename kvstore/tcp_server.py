@@ -56,7 +56,7 @@ from client.transports.tcp_protocol import (
     encode_tiers,
     split_put_pages,
 )
-from client.transports.tcp_transport import recv_exact, recv_many, send_parts
+from client.transports.tcp_transport import SocketReader, send_parts
 from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -109,22 +109,23 @@ class _PeerGone(Exception):
 class _Conn:
     """One accepted connection: its socket and the deadline-bounded I/O on it."""
 
-    __slots__ = ("name", "sock")
+    __slots__ = ("name", "reader", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.reader = SocketReader(sock)
         self.name = f"tcp:{id(self)}"
 
     def send(self, parts: Sequence[bytes | memoryview], timeout_s: float) -> None:
         send_parts(self.sock, parts, time.monotonic() + timeout_s)
 
     def recv_many(self, parts: Sequence[memoryview], timeout_s: float) -> None:
-        if recv_many(self.sock, parts, time.monotonic() + timeout_s) < sum(p.nbytes for p in parts):
+        if self.reader.fill(parts, time.monotonic() + timeout_s) < sum(p.nbytes for p in parts):
             raise _PeerGone
 
     def recv(self, into: memoryview, timeout_s: float | None) -> None:
         deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
-        if recv_exact(self.sock, into, deadline) < into.nbytes:
+        if self.reader.fill((into,), deadline) < into.nbytes:
             raise _PeerGone
 
 

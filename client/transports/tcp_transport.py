@@ -160,9 +160,67 @@ def recv_many(sock: socket.socket, parts: Sequence[memoryview], deadline: float)
     return got
 
 
-def drive(sock: socket.socket, op: Op[T], deadline: float) -> T:
-    """Run the operation `op` on the blocking socket `sock`. Raises what `op` raises, _Closed
-    when the peer ends the connection, TimeoutError past `deadline`, OSError."""
+READ_AHEAD_BYTES = 64 << 10
+
+
+class SocketReader:
+    """The receiving side of one blocking socket, through a small read-ahead buffer: a frame's
+    preamble, its meta and small payloads that arrived together come in with one receive;
+    what is left of a large receive goes straight into its buffers (`recv_many`). Bytes read
+    ahead stay here for the next receive on the same connection."""
+
+    __slots__ = ("_end", "_sock", "_start", "_view")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._view = memoryview(bytearray(READ_AHEAD_BYTES))
+        self._start = 0
+        self._end = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not handed out yet."""
+        return self._end - self._start
+
+    def fill(self, parts: Sequence[memoryview], deadline: float) -> int:
+        """Fill each of `parts` in order before `deadline`; returns the bytes handed out (short
+        of their total only when the peer closed)."""
+        pending = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts if p.nbytes]
+        got = self._take(pending)
+        while pending:
+            left = sum(p.nbytes for p in pending)
+            if left >= READ_AHEAD_BYTES:
+                return got + recv_many(self._sock, pending, deadline)
+            self._sock.settimeout(_remaining(deadline))
+            n = self._sock.recv_into(self._view)
+            if n == 0:
+                return got
+            self._start, self._end = 0, n
+            got += self._take(pending)
+        return got
+
+    def _take(self, pending: list[memoryview]) -> int:
+        """Hand buffered bytes out to `pending` (consumed from the front); the count."""
+        got = 0
+        while pending and self._start < self._end:
+            part = pending[0]
+            n = min(part.nbytes, self._end - self._start)
+            part[:n] = self._view[self._start : self._start + n]
+            self._start += n
+            got += n
+            if n == part.nbytes:
+                pending.pop(0)
+            else:
+                pending[0] = part[n:]
+        if self._start == self._end:
+            self._start = self._end = 0
+        return got
+
+
+def drive(sock: socket.socket, reader: SocketReader, op: Op[T], deadline: float) -> T:
+    """Run the operation `op` on the blocking socket `sock` (received through `reader`).
+    Raises what `op` raises, _Closed when the peer ends the connection, TimeoutError past
+    `deadline`, OSError."""
     replied = False
     try:
         step = next(op)
@@ -175,7 +233,7 @@ def drive(sock: socket.socket, op: Op[T], deadline: float) -> T:
             else:
                 parts = (step.into,) if isinstance(step, Recv) else step.parts
                 try:
-                    got = recv_many(sock, parts, deadline)
+                    got = reader.fill(parts, deadline)
                 except ConnectionResetError as exc:
                     raise _Closed(f"TCP receive failed: {exc}", replied) from None
                 if got < sum(p.nbytes for p in parts):
@@ -188,14 +246,28 @@ def drive(sock: socket.socket, op: Op[T], deadline: float) -> T:
         op.close()
 
 
-def _idle_ok(sock: socket.socket) -> bool:
-    """Whether a kept connection is still there: nothing may be readable on an idle one (a
-    readable idle socket is closed by the daemon, or out of step)."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
-        return False
-    return not readable
+class Connection:
+    """One connected blocking socket (plain or TLS) and its reader."""
+
+    __slots__ = ("reader", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reader = SocketReader(sock)
+
+    def idle_ok(self) -> bool:
+        """Whether a kept connection is still there and in step: nothing may be readable on an
+        idle one (a readable idle socket is closed by the daemon, or out of step)."""
+        if self.reader.buffered:
+            return False
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 class TcpTransport:
@@ -223,7 +295,7 @@ class TcpTransport:
         self._tls = tls
         self._ssl = tls.ssl_context() if tls is not None else None
         self._lock = threading.Lock()
-        self._idle: list[socket.socket] = []
+        self._idle: list[Connection] = []
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -235,8 +307,8 @@ class TcpTransport:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
+        for conn in idle:
+            conn.close()
 
     # ---- calls -----------------------------------------------------------------------------
 
@@ -287,52 +359,52 @@ class TcpTransport:
         for _ in range(
             MAX_IDLE_CONNECTIONS + 1
         ):  # kept connections the daemon closed, then a new one
-            sock, kept = self._take(deadline)
+            conn, kept = self._take(deadline)
             try:
-                result: T = drive(sock, make(), deadline)
+                result: T = drive(conn.sock, conn.reader, make(), deadline)
             except RemoteError as remote:
-                self._keep(sock)
+                self._keep(conn)
                 raise remote.error from None
             except _Closed as exc:
-                sock.close()
+                conn.close()
                 if kept and not exc.replied:  # the daemon closed it before this call: again
                     continue
                 raise TransportFailed(f"transfer with {self.address} failed: {exc}") from None
             except TimeoutError:
-                sock.close()
+                conn.close()
                 raise DeadlineExceeded("TCP call did not complete within its deadline") from None
             except ProtocolError:
-                sock.close()
+                conn.close()
                 raise
             except OSError as exc:
-                sock.close()
+                conn.close()
                 raise TransportFailed(f"transfer with {self.address} failed: {exc!r}") from None
             except BaseException:
-                sock.close()
+                conn.close()
                 raise
-            self._keep(sock)
+            self._keep(conn)
             return result
         raise TransportFailed(f"no usable connection to {self.address}")
 
-    def _take(self, deadline: float) -> tuple[socket.socket, bool]:
+    def _take(self, deadline: float) -> tuple[Connection, bool]:
         with self._lock:
             if self._closed:
                 raise TransportFailed("the TCP transport is closed")
             while self._idle:
-                sock = self._idle.pop()
-                if _idle_ok(sock):
-                    return sock, True
-                sock.close()
+                conn = self._idle.pop()
+                if conn.idle_ok():
+                    return conn, True
+                conn.close()
         return self._connect(min(deadline, time.monotonic() + CONNECT_TIMEOUT_S)), False
 
-    def _keep(self, sock: socket.socket) -> None:
+    def _keep(self, conn: Connection) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
-                self._idle.append(sock)
+                self._idle.append(conn)
                 return
-        sock.close()
+        conn.close()
 
-    def _connect(self, deadline: float) -> socket.socket:
+    def _connect(self, deadline: float) -> Connection:
         try:
             sock = socket.create_connection(
                 (self._host, self._port), timeout=max(deadline - time.monotonic(), 0.001)
@@ -345,7 +417,8 @@ class TcpTransport:
                 name = (self._tls.server_name if self._tls else "") or self._host
                 sock.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
                 sock = self._ssl.wrap_socket(sock, server_hostname=name)
-            drive(sock, hello_op(self._hello), deadline)
+            conn = Connection(sock)
+            drive(conn.sock, conn.reader, hello_op(self._hello), deadline)
         except RemoteError as remote:  # refused (Unauthenticated): no fall back
             sock.close()
             raise remote.error from None
@@ -355,7 +428,7 @@ class TcpTransport:
         except BaseException:
             sock.close()
             raise
-        return sock
+        return conn
 
 
 # ---- asyncio driver ------------------------------------------------------------------------
