@@ -92,6 +92,7 @@ class PageEntry:
 
 
 _ONLY_DRAM, _ONLY_SSD, _DRAM_SSD = (_DRAM,), (_SSD,), (_DRAM, _SSD)
+_GPU_CODE, _DRAM_CODE, _SSD_CODE = int(_GPU), int(_DRAM), int(_SSD)
 
 
 def _resident(entry: PageEntry, tier: Tier) -> bool:
@@ -244,6 +245,29 @@ class Index:
                 break
             found.append(entry)
         return found
+
+    def prefix_tier_codes(
+        self, scope_digest: bytes, packed_keys: bytes, gone: set[bytes] | frozenset[bytes]
+    ) -> bytes:
+        """`lookup_prefix` over packed 16-byte keys, answering only the fastest tier of each hit
+        as its `Tier` value (one byte a page); a key in `gone` ends the prefix too. The lookup's
+        fast path: no list of keys, no list of entries. Read-only."""
+        codes = bytearray()
+        add = codes.append
+        get = self._entries.get
+        for start in range(0, len(packed_keys) - KEY_BYTES + 1, KEY_BYTES):
+            key = packed_keys[start : start + KEY_BYTES]
+            entry = get(key)
+            if entry is None or entry.scope_digest != scope_digest or (gone and key in gone):
+                break
+            add(
+                _GPU_CODE
+                if entry.gpu is not None
+                else _DRAM_CODE
+                if entry.dram is not None
+                else _SSD_CODE
+            )
+        return bytes(codes)
 
     def eviction_candidates(self, tier: Tier) -> Iterator[PageEntry]:
         """Unpinned entries resident in `tier`, in the order they should leave it (module doc).

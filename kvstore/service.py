@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -338,10 +338,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
     ) -> store_pb2.LookupResponse:
         principal = self.principal(context)
         digest = self._read_digest(principal, request.scope_digest, request.scope)
-        outcome = self.store.lookup(digest, self._keys(request.keys))
-        return store_pb2.LookupResponse(
-            hit_count=outcome.hit_count, tiers=[_pb_tier(t) for t in outcome.tiers]
-        )
+        # packed keys in, one byte a hit out (Store.lookup checks the field and the key limit)
+        codes = self.store.lookup(digest, request.keys).codes
+        # the codes are the proto's Tier values (kvstore/keys.py): assigned as they are
+        tiers = cast("list[store_pb2.Tier.ValueType]", list(codes))
+        return store_pb2.LookupResponse(hit_count=len(codes), tiers=tiers)
 
     # ---- remote data path -------------------------------------------------------------------
 
@@ -550,9 +551,10 @@ class StoreService(store_pb2_grpc.StoreServicer):
                 header=page.header,
                 generation=page.generation,
             )
-        with self.store.scheduler.admit(io_class, served):  # the client's copy, in its class
-            pass
-        self.store.counters.add_bytes("shm", "out", io_class, served)
+        if served:  # the client's copy, in its class (a miss copies nothing: no wait)
+            with self.store.scheduler.admit(io_class, served):
+                pass
+            self.store.counters.add_bytes("shm", "out", io_class, served)
         return reply
 
     @unary

@@ -70,10 +70,23 @@ def index_payload_bytes(index: Index, key: bytes) -> int:
     return entry.payload_bytes if entry is not None else 0
 
 
+_TIER_OF_CODE = {int(t): t for t in Tier}
+
+
 @dataclass(frozen=True, slots=True)
 class LookupOutcome:
-    hit_count: int
-    tiers: tuple[Tier, ...]
+    """The longest present prefix: `codes[i]` is the `Tier` value of the fastest tier of hit i
+    (one byte a page, what the wire carries)."""
+
+    codes: bytes
+
+    @property
+    def hit_count(self) -> int:
+        return len(self.codes)
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(_TIER_OF_CODE[c] for c in self.codes)
 
 
 class SlotGrant(NamedTuple):  # per page, on the hot path: cheaper to build than a frozen dataclass
@@ -274,9 +287,12 @@ class Store:
     # ---- validation helpers -----------------------------------------------------------------
 
     def _check_keys(self, keys: Sequence[bytes]) -> None:
-        if len(keys) > self.config.limits.max_keys_per_call:
+        self._check_count(len(keys))
+
+    def _check_count(self, count: int) -> None:
+        if count > self.config.limits.max_keys_per_call:
             raise InvalidArgument(
-                f"{len(keys)} keys in one call; the limit is {self.config.limits.max_keys_per_call}"
+                f"{count} keys in one call; the limit is {self.config.limits.max_keys_per_call}"
             )
 
     def scope_of(self, encoded: bytes) -> Scope:
@@ -303,20 +319,32 @@ class Store:
 
     # ---- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, scope_digest: bytes, keys: Sequence[bytes]) -> LookupOutcome:
-        """Longest present prefix of `keys` in `scope_digest`. Read-only; no lease."""
-        self._check_keys(keys)
+    def lookup(self, scope_digest: bytes, keys: Sequence[bytes] | bytes) -> LookupOutcome:
+        """Longest present prefix of `keys` (a sequence of keys, or keys packed as on the wire)
+        in `scope_digest`. Read-only; no lease. InvalidArgument for too many keys, a packed
+        field that is not whole keys, or a bad digest."""
+        if isinstance(keys, bytes):
+            if len(keys) % KEY_BYTES:
+                raise InvalidArgument(
+                    f"packed keys length {len(keys)} is not a multiple of {KEY_BYTES}"
+                )
+            packed = keys
+            self._check_count(len(keys) // KEY_BYTES)
+        else:
+            self._check_keys(keys)
+            packed = b"".join(k for k in keys if len(k) == KEY_BYTES)
+            if len(packed) != KEY_BYTES * len(keys):  # a short key ends the prefix there
+                cut = next(i for i, k in enumerate(keys) if len(k) != KEY_BYTES)
+                packed = packed[: KEY_BYTES * cut]
         if len(scope_digest) != KEY_BYTES:
             raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
         with self._lock:
-            hits = self.index.lookup_prefix(scope_digest, keys)
-            if self._doomed:  # deleted while leased: gone for new readers, as `acquire` says
-                hits = list(itertools.takewhile(lambda e: e.key not in self._doomed, hits))
-            tiers = tuple(e.fastest or Tier.SSD for e in hits)
+            # deleted while leased: gone for new readers, as `acquire` says
+            codes = self.index.prefix_tier_codes(scope_digest, packed, self._doomed)
         with self.counters.lock:
             self.counters.lookups += 1
-            self.counters.lookup_hit_pages += len(tiers)
-        return LookupOutcome(len(tiers), tiers)
+            self.counters.lookup_hit_pages += len(codes)
+        return LookupOutcome(codes)
 
     # ---- writes: plan, reserve, commit ------------------------------------------------------
 

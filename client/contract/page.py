@@ -94,6 +94,8 @@ class PageHeader:
     _payload: Buffer | None = field(default=None, init=False, compare=False, repr=False)
     # the token ids as little-endian u32, when known
     _token_bytes: bytes = field(default=b"", init=False, compare=False, repr=False)
+    # the same-host form (checksum left to the daemon) of a pending header, when built
+    _deferred_raw: bytes = field(default=b"", init=False, compare=False, repr=False)
 
     if not TYPE_CHECKING:  # hidden from type checkers, so a misspelt attribute stays an error
 
@@ -163,7 +165,7 @@ class PageHeader:
         otherwise `encode()`."""
         if self._payload is None or self._raw:
             return self.encode()
-        return self._pack(0, FLAG_CHECKSUM_DEFERRED)
+        return self._deferred_raw or self._pack(0, FLAG_CHECKSUM_DEFERRED)
 
     def _pack(self, checksum: int, flags: int) -> bytes:
         for name in ("scope_digest", "key", "parent"):
@@ -461,11 +463,17 @@ def make_headers(
         if n != size:
             raise InvalidArgument(f"payload is {n} bytes; scope layout needs {size}")
     digest = scope.digest
+    _, deferred, middle, _ = _expected_bytes(scope)
+    join, checksum, tail = b"".join, xxhash.xxh3_64_intdigest, _TAIL.pack
     out: list[PageHeader] = []
     for tokens, payload in zip(token_pages, payloads, strict=True):
         packed = pack_tokens(tokens)
         header = _pending_header(scope, parent, packed, tuple(tokens), size, payload)
-        object.__setattr__(header, "_valid_for", digest)  # built to fit: validate_for holds
+        setattr_ = object.__setattr__
+        setattr_(header, "_valid_for", digest)  # built to fit: validate_for holds
+        # its same-host form, from the scope's fixed bytes (what `_pack` gives, without it)
+        body = join((deferred, header.key, parent, middle, _NO_CHECKSUM, packed))
+        setattr_(header, "_deferred_raw", body + tail(checksum(body)))
         out.append(header)
         parent = header.key
     return out
