@@ -53,7 +53,6 @@ from client.transports.tcp_protocol import (
     KIND_LOOKUP,
     KIND_LOOKUP_HITS,
     KIND_PUT_PAGES,
-    encode_tiers,
     split_put_pages,
 )
 from client.transports.tcp_transport import SocketReader, send_parts
@@ -406,16 +405,14 @@ class TcpServer:
                 request = store_pb2.LookupRequest.FromString(bytes(meta))
             except DecodeError:
                 raise InvalidArgument("malformed LookupRequest") from None
-            keys = self._keys(request.keys)
             digest = self._read_digest(principal, request.scope, request.scope_digest)
-            outcome = self._store.lookup(digest, keys)
+            # packed keys in (Store.lookup checks the field and the key limit), one Tier byte a
+            # hit out: the codes are what the frame carries
+            codes = self._store.lookup(digest, request.keys).codes
         except StrataError as exc:
             self._send_error(conn, exc)
             return
-        tiers = encode_tiers(outcome.tiers)
-        conn.send(
-            (preamble(KIND_LOOKUP_HITS, outcome.hit_count, len(tiers)), tiers), self._get_timeout_s
-        )
+        conn.send((preamble(KIND_LOOKUP_HITS, len(codes), len(codes)), codes), self._get_timeout_s)
 
     # ---- get ---------------------------------------------------------------------------------
 
