@@ -317,3 +317,21 @@ def test_connections_beyond_the_cap_are_closed_until_some_end(
         again.sendall(lookup_frame(scope, []))
         assert _frame(again) == (KIND_LOOKUP_HITS, 0, b"")
     held[0].close()
+
+
+def test_a_same_host_put_whose_checksum_the_daemon_computes_is_served_verified_over_tcp(
+    daemon_factory: DaemonFactory,
+) -> None:
+    daemon = daemon_factory(dram="64MiB", ssd=None, settings=TCP_ON)
+    scope = make_scope(layout=LARGE)
+    pages = prompt(scope, 3, seed=14)
+    local = daemon.client(shared_memory=True)
+    assert local.transport == "shm"
+    assert local.put(scope, pages).stored == 3
+    remote = daemon.client(shared_memory=False)
+    assert remote.transport == "tcp"
+    into = buffers(scope, 3)
+    got = remote.get(scope, keys_of(pages), into, tokens=tokens_of(pages), verify=True)
+    assert got.hit_count == 3 and got.rejected == 0
+    assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
+    assert [h.payload_checksum for h in got.headers] == [p.header.payload_checksum for p in pages]
