@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import select
 import socket
 import ssl
 import threading
@@ -59,6 +58,7 @@ MAX_IDLE_CONNECTIONS = 8  # an idle TCP connection costs the daemon a parked thr
 CONNECT_TIMEOUT_S = 5.0
 _SOCKET_BUFFER_BYTES = 4 << 20
 _MAX_IOV = 512  # buffers per sendmsg (Linux allows 1024)
+_TLS_JOIN_BYTES = 16 << 10  # a TLS record's most plaintext
 
 
 class TransportFailed(Unavailable):
@@ -96,10 +96,21 @@ def _remaining(deadline: float) -> float | None:
 def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadline: float) -> None:
     """Send every byte of `parts` on the blocking socket `sock` before `deadline`: one
     `sendmsg` for many buffers on a plain socket, a `sendall` per buffer over TLS."""
-    if isinstance(sock, ssl.SSLSocket):
+    if isinstance(sock, ssl.SSLSocket):  # small parts joined: one TLS record, not one each
+        small = bytearray()
         for part in parts:
+            if len(part) < _TLS_JOIN_BYTES:
+                small += part
+                continue
+            if small:
+                sock.settimeout(_remaining(deadline))
+                sock.sendall(small)
+                small.clear()
             sock.settimeout(_remaining(deadline))
             sock.sendall(part)
+        if small:
+            sock.settimeout(_remaining(deadline))
+            sock.sendall(small)
         return
     pending = [memoryview(p).cast("B") for p in parts if len(p)]
     while pending:
@@ -256,15 +267,10 @@ class Connection:
         self.reader = SocketReader(sock)
 
     def idle_ok(self) -> bool:
-        """Whether a kept connection is still there and in step: nothing may be readable on an
-        idle one (a readable idle socket is closed by the daemon, or out of step)."""
-        if self.reader.buffered:
-            return False
-        try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return False
-        return not readable
+        """Whether a kept connection is in step: nothing read ahead may be left over. (One the
+        daemon closed meanwhile shows at its next call, before any answer: the call then goes
+        on over another connection, see `TcpTransport._call`.)"""
+        return not self.reader.buffered
 
     def close(self) -> None:
         self.sock.close()
