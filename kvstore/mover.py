@@ -2,8 +2,9 @@
 
 One thread. Each pass (on a kick — a write that took DRAM above its high watermark, a queued
 write-through copy, a drain — or every `interval_s`): end expired leases; check the payloads of
-same-host puts not checked yet, or compute the checksum a same-host writer left to the daemon (a
-batch per pass; a reader never waits for this: it checks a page it wants itself); copy queued
+same-host puts whose writer sent a checksum not checked yet (a batch per pass; a reader never
+waits for this: it checks a page it wants itself; a checksum the writer left to the daemon is
+computed when the page leaves DRAM, here in `copy_to_ssd`); copy queued
 write-through pages to SSD; and, while DRAM is above its high watermark, demote least valuable
 pages until it is below the low one. SSD writes run as I/O class BACKGROUND (so they yield to
 reads and respect the background bandwidth cap), with the page pinned and the store lock free.

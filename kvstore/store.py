@@ -211,10 +211,13 @@ class Store:
         self._doomed: set[bytes] = set()
         # pages put again while their deleted predecessor is still leased: stored when it goes
         self._replacing: dict[bytes, _Pending] = {}
-        # same-host puts whose payload the daemon has not checked yet: a writer's checksum is
-        # checked before any reader gets the page; a checksum left to the daemon (the header's
-        # FLAG_CHECKSUM_DEFERRED) is computed ("sealed") before the page leaves DRAM for SSD or
-        # the network. Both by the mover's pass, or by the acquire that needs it.
+        # same-host puts whose writer sent a checksum the daemon has not checked yet: checked
+        # before any reader gets the page (by the mover's pass, or by the acquire that wants
+        # it). A page whose checksum the writer left to the daemon (the header's
+        # FLAG_CHECKSUM_DEFERRED: its index header says so) is not here: it is computed
+        # ("sealed") when the page leaves DRAM — an acquire for a remote reader, an SSD write —
+        # and never for a page that does not, so no same-host put costs a hash of its payload
+        # anywhere unless its bytes go where they can be damaged.
         self._unverified: set[bytes] = set()
         self._corrupt_pinned: set[bytes] = set()  # failed that check, waiting for their pins
         self._replacing_unverified: set[bytes] = set()  # same-host puts among `_replacing`
@@ -670,8 +673,10 @@ class Store:
             index.insert_many(entries, checked=True)  # built from headers plan_put checked
             if entries:  # they count toward their namespace's quota (kvstore/quota.py)
                 index.name_scope(entries[0].scope_digest, namespace)
-            if path == "shm":  # copied in by a client: checked off its critical path
-                self._unverified.update(e.key for e in entries)
+            if path == "shm":  # a writer's checksum: checked off its critical path
+                self._unverified.update(
+                    e.key for e in entries if not checksum_deferred(e.header)
+                )
             self.events.publish_many(
                 [
                     (EventKind.STORED, e.key, e.scope_digest, e.payload_bytes, None, Tier.DRAM)
@@ -807,8 +812,7 @@ class Store:
                 i
                 for i, h in enumerate(held)
                 if h is not None
-                and keys[i] in unverified
-                and not (same_host and checksum_deferred(h.header))
+                and (keys[i] in unverified or (not same_host and checksum_deferred(h.header)))
             ]
             if not slow and not check:
                 self._count_hits(hit_tiers)
@@ -953,11 +957,16 @@ class Store:
                         known_bad.append((tag, key))
                     continue
                 entry = self.index.get(key)
-                if entry is None or entry.dram is None or key not in self._unverified:
+                deferred = entry is not None and checksum_deferred(entry.header)
+                if (
+                    entry is None
+                    or entry.dram is None
+                    or (key not in self._unverified and not deferred)
+                ):
                     self._unverified.discard(key)
                     continue
                 raw = entry.header
-                want = None if checksum_deferred(raw) else checked_payload_checksum(raw)
+                want = None if deferred else checked_payload_checksum(raw)
                 view = dram.view(entry.dram, entry.payload_bytes)
                 slot = entry.dram
                 todo.append((tag, key, entry, slot, dram.generation(slot), view, want))
@@ -1205,7 +1214,8 @@ class Store:
             return
         if key in self._replacing_unverified:
             self._replacing_unverified.discard(key)
-            self._unverified.add(key)
+            if not checksum_deferred(pending.raw_header):
+                self._unverified.add(key)
         header = pending.header
         entry = PageEntry(
             key,

@@ -1,9 +1,9 @@
 """Integrity of the same-host path with the payload checksum off the writer's path.
 
 A same-host put may leave its payload checksum to the daemon (the header's
-FLAG_CHECKSUM_DEFERRED): the daemon computes it in the mover's pass, in an acquire that hands
-the page to a remote reader, or when the page is written to SSD — never later than the page
-leaving DRAM. These tests put such pages exactly as the same-host client does (Reserve with the
+FLAG_CHECKSUM_DEFERRED): the daemon computes it when the page's bytes leave DRAM — in an
+acquire that hands the page to a remote reader, or when the page is written to SSD — and not
+for a page that stays. These tests put such pages exactly as the same-host client does (Reserve with the
 deferred headers, a copy into the reserved slots, Commit) and check each way out of DRAM: the
 checksum is there, it is right, and a byte flipped after it was computed is caught where the
 bytes leave (SSD read back, network receive) — a miss and a count, never wrong bytes.
@@ -65,24 +65,29 @@ def flip_in_dram(d: RunningDaemon, key: bytes) -> None:
             view[0] ^= 0xFF
 
 
-def test_the_writer_sends_no_checksum_and_the_mover_computes_it(
+def test_the_writer_sends_no_checksum_and_nothing_hashes_it_while_it_stays_in_dram(
     daemon_factory: DaemonFactory, scope: Scope
 ) -> None:
     d = daemon_factory()
+    shm = d.client(shared_memory=True)
     pages = singles(scope, 3, seed=300)
     sent = reserve_headers(pages)
     assert all(checksum_deferred(raw) for raw in sent)
     assert all(p.header.checksum_pending for p in pages)  # nothing hashed a payload here
     assert put_same_host(d, scope, pages) == 3
-    assert checksum_deferred(index_header(d, pages[0].header.key))
-    d.store.drain()  # one pass of the mover seals them
-    for page in pages:
-        header = PageHeader.decode(index_header(d, page.header.key))
-        assert not header.checksum_deferred
-        assert header.payload_checksum == payload_checksum(page.payload)
-        assert header == page.header  # the header the writer would have sent, checksum and all
+    d.store.drain()  # the mover's pass leaves them: their bytes have not left DRAM
+    assert all(checksum_deferred(index_header(d, p.header.key)) for p in pages)
     with d.store._lock:
         assert not d.store._unverified
+    assert_intact(shm, scope, pages)  # a same-host reader takes them as they are
+    assert all(checksum_deferred(index_header(d, p.header.key)) for p in pages)
+    got = shm.get(
+        scope, keys_of(pages), [bytearray(scope.page_payload_bytes) for _ in pages],
+        tokens=tokens_of(pages),
+    )  # fmt: skip
+    for header, page in zip(got.headers, pages, strict=True):
+        assert header is not None and header.checksum_deferred
+        assert header == page.header  # a header that knows no checksum equals the page's own
     d.check()
 
 
@@ -101,6 +106,10 @@ def test_a_page_not_sealed_yet_reads_back_on_every_path(
     assert read_back(client, scope, pages) == [bytes(p.payload) for p in pages]
     sealed = [not checksum_deferred(index_header(d, p.header.key)) for p in pages]
     assert sealed == [reader == "grpc"] * 4
+    for page in pages if reader == "grpc" else ():
+        header = PageHeader.decode(index_header(d, page.header.key))
+        assert header.payload_checksum == payload_checksum(page.payload)
+        assert header.encode() == page.header.encode()  # what the writer would have sent
     assert client.corrupt_pages == 0
     d.check()
 
@@ -129,10 +138,10 @@ def test_a_byte_flipped_after_sealing_is_caught_when_the_page_comes_back_from_ss
     daemon_factory: DaemonFactory, scope: Scope
 ) -> None:
     d = daemon_factory(settings=NO_WATERMARKS)
-    shm = d.client(shared_memory=True)
+    shm, remote = d.client(shared_memory=True), d.client(shared_memory=False)
     pages = singles(scope, 2, seed=330)
     assert put_same_host(d, scope, pages) == 2
-    d.store.drain()  # sealed
+    assert_intact(remote, scope, pages)  # a remote read sealed them
     bad, good = pages
     flip_in_dram(d, bad.header.key)
     for page in pages:
@@ -153,7 +162,7 @@ def test_a_byte_flipped_after_sealing_is_caught_by_a_remote_reader(
     remote = d.client(shared_memory=False)
     pages = singles(scope, 2, seed=340)
     assert put_same_host(d, scope, pages) == 2
-    d.store.drain()
+    assert_intact(remote, scope, pages)  # the first remote read sealed them
     flip_in_dram(d, pages[0].header.key)
     got = remote.get(
         scope, keys_of(pages), [bytearray(scope.page_payload_bytes) for _ in pages],

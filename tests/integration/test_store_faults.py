@@ -189,6 +189,7 @@ def test_the_movers_check_of_a_page_that_moved_to_another_slot_meanwhile_says_no
     d.store.mover.stop()  # this test runs the mover's steps itself, in a chosen order
     shm = d.client(shared_memory=True)
     (page,) = singles(scope, 1, seed=95)
+    assert page.header.payload_checksum  # computed: the put sends it, the daemon checks it
     shm.put(scope, [page])
     store, dram = d.store, d.store.tiers.dram
     key = page.header.key
