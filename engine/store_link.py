@@ -195,7 +195,10 @@ class StoreLink:
         into = buffers(count)
         try:
             # the SDK delivers a page only if it is the one asked for: key, scope, KV format and
-            # exactly these tokens (a collision is a miss, counted in `rejected`)
+            # exactly these tokens (a collision is a miss, counted in `rejected`); verify=True
+            # checks payload checksums where bytes cross a network (gRPC, TCP, UCX); on the
+            # same-host path every copy is fenced by its slot generation instead (a torn or
+            # reused slot is a miss) and no payload is hashed (client/transports/shm.py)
             tokens = page_tokens(scope, token_ids)[:count]
             got = store.get(scope, keys[:count], into, tokens=tokens, io_class=io_class, verify=True)
             usable, rejected = got.prefix_hits, got.rejected
