@@ -462,20 +462,28 @@ def make_headers(
         n = memoryview(payload).nbytes
         if n != size:
             raise InvalidArgument(f"payload is {n} bytes; scope layout needs {size}")
-    digest = scope.digest
+    digest, dtype = scope.digest, scope.kv_dtype
     _, deferred, middle, _ = _expected_bytes(scope)
+    pack = _tokens_struct(count).pack
     join, checksum, tail = b"".join, xxhash.xxh3_64_intdigest, _TAIL.pack
+    setattr_ = object.__setattr__
     out: list[PageHeader] = []
     for tokens, payload in zip(token_pages, payloads, strict=True):
-        packed = pack_tokens(tokens)
-        header = _pending_header(scope, parent, packed, tuple(tokens), size, payload)
-        setattr_ = object.__setattr__
+        try:
+            packed = pack(*tokens)
+        except struct.error:
+            packed = pack_tokens(tokens)  # raises InvalidArgument naming the bad id
+        key = key_digest(parent + packed)
+        header = PageHeader(digest, key, parent, tuple(tokens), dtype, lay, size, 0)
+        setattr_(header, "_token_bytes", packed)
+        setattr_(header, "_payload", payload)
         setattr_(header, "_valid_for", digest)  # built to fit: validate_for holds
         # its same-host form, from the scope's fixed bytes (what `_pack` gives, without it)
-        body = join((deferred, header.key, parent, middle, _NO_CHECKSUM, packed))
+        body = join((deferred, key, parent, middle, _NO_CHECKSUM, packed))
         setattr_(header, "_deferred_raw", body + tail(checksum(body)))
+        object.__delattr__(header, "payload_checksum")  # computed by __getattr__ when first read
         out.append(header)
-        parent = header.key
+        parent = key
     return out
 
 
