@@ -10,24 +10,27 @@ With API keys (engine.router.tenancy) the /v1 routes need `Authorization: Bearer
 Responses to a placed request carry `x-strata-prefill`, `x-strata-decode`, `x-strata-policy`,
 `x-strata-hit-tokens`, `x-strata-predicted-ttft-ms`, `x-strata-predicted-tpot-ms` and
 `x-request-id`.
+
+`create_asgi` is what the server runs: the two completion routes answered by
+`engine.router.completions.CompletionsFront` before Starlette sees them (the same handler the
+FastAPI routes here declare and call), everything else by this app.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.router.completions import CompletionsFront, complete, invalid_body
 from engine.router.core.errors import ErrorKind, RouterError
-from engine.router.core.router import headers as placement_headers
-from engine.router.dispatch import Run
-from engine.router.http_errors import HttpError, error_body, error_response
+from engine.router.http_errors import error_body, error_response
 from engine.router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,7 +42,6 @@ from engine.router.protocol import (
     ModelList,
 )
 from engine.router.service import SLO_HEADER, RouterService
-from engine.router.streaming import EventStream, collect, completion_body, sse_events
 from engine.router.tenancy import Grant
 
 ERRORS: dict[int | str, dict[str, object]] = {
@@ -53,17 +55,6 @@ ERRORS: dict[int | str, dict[str, object]] = {
         (503, "no worker can serve (Retry-After)"),
     )
 }
-
-
-def _placement_headers(run: Run) -> dict[str, str]:
-    """The core's `x-strata-*` headers of the placement (workers, policy, predictions, hit
-    tokens), with the workers the run is on, and the request id."""
-    return {
-        "x-request-id": run.job.request_id,
-        **placement_headers(run.placement),
-        "x-strata-prefill": run.prefill_id,
-        "x-strata-decode": run.decode_id,
-    }
 
 
 async def caller(request: Request) -> Grant:
@@ -81,17 +72,7 @@ async def debug_caller(request: Request, grant: Annotated[Grant, Depends(caller)
     return grant
 
 
-Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 _REQUESTS = (CompletionRequest, ChatCompletionRequest)
-
-
-def _parse(model: type[Body], raw: bytes) -> Body:
-    """The request body as `model`; RequestValidationError (400 through the app's handler, as
-    for FastAPI's own validation) for malformed JSON or a bad field."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False)) from None
 
 
 def _body_openapi(model: type[BaseModel]) -> dict[str, Any]:
@@ -136,6 +117,13 @@ def _with_request_schemas(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return openapi
 
 
+def create_asgi(
+    service: RouterService, *, on_ready: Callable[[], None] | None = None
+) -> CompletionsFront:
+    """What the server runs: `CompletionsFront` (the two completion routes) over `create_app`."""
+    return CompletionsFront(create_app(service, on_ready=on_ready), service)
+
+
 def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The app over `service`; the service starts and stops with the app's lifespan."""
 
@@ -164,12 +152,8 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg"))
         service.metrics.observe_error(ErrorKind.invalid_request.value)
-        return error_response(HttpError(ErrorKind.invalid_request, message, param=where or None))
+        return error_response(invalid_body(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -177,45 +161,11 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         body = error_body(RouterError(kind, str(exc.detail)))
         return JSONResponse(body, status_code=exc.status_code)
 
-    async def serve(
-        body: CompletionRequest | ChatCompletionRequest,
-        slo_class: str | None,
-        grant: Grant,
-    ) -> Response:
-        """One completion, plain or chat: dispatch it, then stream it as SSE or answer in full."""
-        chat = isinstance(body, ChatCompletionRequest)
-        prepared = service.prepare(body, slo_class, grant)
-        run = await service.dispatch(prepared)
-        model = prepared.job.model.model_id
-        headers = _placement_headers(run)
-        if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            events = sse_events(
-                run,
-                chat=chat,
-                response_id=prepared.response_id,
-                created=prepared.created,
-                model=model,
-                include_usage=include,
-                token_ids=body.return_token_ids,
-            )
-            return EventStream(events, headers)
-        got = await collect(run)
-        content = completion_body(
-            run,
-            got,
-            chat=chat,
-            response_id=prepared.response_id,
-            created=prepared.created,
-            model=model,
-            token_ids=body.return_token_ids,
-        )
-        return Response(content, media_type="application/json", headers=headers)
-
     # The two completion routes read their body themselves (pydantic's own JSON parser, no
-    # dependency solving): FastAPI's body and header parameters cost more per request than the
-    # rest of the route. Their OpenAPI entries are written out (`_body_openapi`), the same as
-    # FastAPI would have made them.
+    # dependency solving), through `complete`: their OpenAPI entries are written out
+    # (`_body_openapi`), the same as FastAPI would have made them. In `strata router` these
+    # declarations only publish the schema and serve an app run without its front:
+    # `CompletionsFront` answers the two paths before Starlette sees them.
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
@@ -223,9 +173,7 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         openapi_extra=_body_openapi(CompletionRequest),
     )
     async def completions(request: Request) -> Response:
-        body = _parse(CompletionRequest, await request.body())
-        grant = await caller(request)
-        return await serve(body, request.headers.get(SLO_HEADER), grant)
+        return await _complete(request, chat=False)
 
     @app.post(
         "/v1/chat/completions",
@@ -234,9 +182,18 @@ def create_app(service: RouterService, *, on_ready: Callable[[], None] | None = 
         openapi_extra=_body_openapi(ChatCompletionRequest),
     )
     async def chat_completions(request: Request) -> Response:
-        body = _parse(ChatCompletionRequest, await request.body())
-        grant = await caller(request)
-        return await serve(body, request.headers.get(SLO_HEADER), grant)
+        return await _complete(request, chat=True)
+
+    async def _complete(request: Request, *, chat: bool) -> Response:
+        headers = request.headers
+        return await complete(
+            service,
+            chat=chat,
+            raw=await request.body(),
+            authorization=headers.get("authorization"),
+            x_api_key=headers.get("x-api-key"),
+            slo_header=headers.get(SLO_HEADER),
+        )
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(caller)])
     async def models() -> ModelList:

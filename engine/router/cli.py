@@ -95,8 +95,9 @@ def serve(
     """Run the router until SIGTERM/SIGINT; the exit code. Raises OSError for a taken port."""
     import uvicorn
 
-    from engine.router.app import create_app
+    from engine.router.app import create_asgi
     from engine.router.core.timemodel import TimeModel
+    from engine.router.http_protocol import protocol_class
     from engine.router.service import RouterService
 
     if not config.profile:
@@ -127,12 +128,15 @@ def serve(
             print(f"  {access}; stop with Ctrl-C or SIGTERM", flush=True)
 
     service = RouterService(config, time_model)
-    app = create_app(service, on_ready=ready)
+    app = create_asgi(service, on_ready=ready)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
             log_level=log_level.lower(),
             access_log=False,
+            server_header=False,  # no `server: uvicorn` line for every client to parse
+            # httptools, each response's head and first body bytes in one write
+            http=protocol_class() or "auto",
             timeout_graceful_shutdown=5,
             lifespan="on",
         )

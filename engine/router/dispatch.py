@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -278,10 +279,14 @@ class Run:
                     split["decode_queue_s"] = split.get("decode_queue_s", 0.0) + event.stats.queue_s
                     split["decode_pull_s"] = split.get("decode_pull_s", 0.0) + event.stats.pull_s
                 if event.HasField("stats") and d.metrics is not None:
-                    d.metrics.observe_decode(
-                        self.decode_id,
-                        event.stats,
-                        bytes_per_token=job.model.page_bytes // max(1, job.model.page_tokens),
+                    # after the token is on its way (the next loop turn)
+                    d.later(
+                        functools.partial(
+                            d.metrics.observe_decode,
+                            self.decode_id,
+                            event.stats,
+                            bytes_per_token=job.model.page_bytes // max(1, job.model.page_tokens),
+                        )
                     )
                 token = Token(
                     event.index,
@@ -303,7 +308,12 @@ class Run:
             d.registry.mark_failed(self.decode_id, f"decode {exc.code().name}")
         finally:
             if not call.done():
-                call.cancel()
+                if self.finish_reason:
+                    # the worker has sent its last event; its status is only cleanup, left to
+                    # after the answer is written
+                    d.later(call.cancel)
+                else:
+                    call.cancel()
             self._call = None
 
     def _accept(self, token: Token) -> None:
@@ -646,8 +656,20 @@ class Dispatcher:
     def on_first_token(self, run: Run, now: float) -> None:
         self.core.on_first_token(run.job.request_id, now)
 
+    def later(self, fn: Callable[..., object], *args: object) -> None:
+        """`fn(*args)` on the running loop's next turn — after what the current task writes
+        before it next waits, such as a response's bytes — or now without a running loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            fn(*args)
+            return
+        loop.call_soon(fn, *args)
+
     def on_finish(self, run: Run) -> None:
-        """The run ended (finished, failed or cancelled): release its bookkeeping, record it."""
+        """The run ended (finished, failed or cancelled): release its bookkeeping (at once: the
+        next decision sees it), record it (`later`: its metrics and the drift check wait for the
+        answer's bytes to be written)."""
         if self.in_flight.pop(run.job.request_id, None) is None:
             return
         now = self.clock()
@@ -656,12 +678,16 @@ class Dispatcher:
         if run.finish_reason in ("stop", "length"):
             outcome = "ok"
             self.core.on_finish(run.job.request_id, now, len(run.produced))
-            self._check_drift(now)
+            self.later(self._check_drift, now)
         else:
             outcome = "failed" if run.failed else "cancelled"
             self.core.on_failed(run.job.request_id, now)
         if self.metrics is None:
             return
+        self.later(self._observe_finished, run, outcome, now)
+
+    def _observe_finished(self, run: Run, outcome: str, now: float) -> None:
+        assert self.metrics is not None
         self.metrics.observe_finished(
             FinishedRequest.of(
                 run.placement,
