@@ -53,6 +53,7 @@ from client.transports.tcp_protocol import (
     KIND_LOOKUP,
     KIND_LOOKUP_HITS,
     KIND_PUT_PAGES,
+    receive_groups,
     split_put_pages,
 )
 from client.transports.tcp_transport import SocketReader, send_parts
@@ -522,10 +523,9 @@ class TcpServer:
             return
         lease = res.lease_id
         try:
-            error = self._receive_pages(conn, res, sizes, io)
+            error = self._receive_pages(conn, res, headers, sizes, io)
             if error is None:
                 try:
-                    self._verify(res, headers)
                     store.commit(res.lease_id, tier, io, path="tcp")
                     lease = 0  # committed: the lease has ended
                 except StrataError as exc:
@@ -545,36 +545,57 @@ class TcpServer:
                 store.abort(lease)
 
     def _receive_pages(
-        self, conn: _Conn, res: Reservation, sizes: Sequence[int], io: IoClass
+        self,
+        conn: _Conn,
+        res: Reservation,
+        headers: Sequence[bytes],
+        sizes: Sequence[int],
+        io: IoClass,
     ) -> StrataError | None:
         """Receive every announced payload, scattered straight into the reserved pages' slots
-        (any other page's into a scratch buffer, dropped). InvalidArgument (returned, every
-        byte read) for a payload whose announced size is not its header's."""
+        (any other page's into a scratch buffer, dropped), and check each reserved page's
+        checksum (a network receive) while the next group of pages is arriving. Returns, every
+        byte read, InvalidArgument for a payload whose announced size is not its header's, or
+        Corrupt for payloads failing their checksum (nothing of the put may be stored)."""
         dram = self._store.tiers.dram
         error: StrataError | None = None
-        targets: list[memoryview] = []
-        dropped: list[tuple[int, int]] = []
+        targets: list[tuple[int, memoryview]] = []  # (page to check, or -1; where it goes)
+        scratch: memoryview | None = None
         for i, slot in enumerate(res.slots):
             if slot.reserved and slot.length == sizes[i]:
                 if slot.length:
-                    targets.append(dram.view(slot.offset, slot.length))
+                    targets.append((i, dram.view(slot.offset, slot.length)))
                 continue
             if slot.reserved and error is None:
                 error = InvalidArgument(
                     f"page {i}: {sizes[i]} payload bytes sent, its header says {slot.length}"
                 )
-            if sizes[i]:
-                dropped.append((len(targets), sizes[i]))
-                targets.append(memoryview(b""))
-        if dropped:
-            scratch = memoryview(bytearray(min(max(n for _, n in dropped), _DRAIN_STEP_BYTES)))
-            for at, n in reversed(dropped):  # a dropped payload: scratch views, a step each
-                targets[at : at + 1] = [
-                    scratch[: min(len(scratch), n - k)] for k in range(0, n, len(scratch))
-                ]
+            if scratch is None and sizes[i]:
+                scratch = memoryview(bytearray(_DRAIN_STEP_BYTES))
+            for k in range(0, sizes[i], _DRAIN_STEP_BYTES):  # dropped: a scratch view a step
+                assert scratch is not None
+                targets.append((-1, scratch[: min(_DRAIN_STEP_BYTES, sizes[i] - k)]))
+        bad: list[int] = []
         total = sum(s.length for s in res.slots if s.reserved)
+        deadline = time.monotonic() + self._put_timeout_s
         with self._store.scheduler.admit(io, total):
-            conn.recv_many(targets, self._put_timeout_s)
+            for group in receive_groups(targets):
+                conn.recv_many([view for _, view in group], max(deadline - time.monotonic(), 0))
+                for i, view in group:
+                    if i < 0 or error is not None:
+                        continue
+                    try:
+                        PageHeader.decode(headers[i]).verify_payload(view)
+                    except Corrupt:
+                        bad.append(i)
+        if error is None and bad:
+            store = self._store
+            with store.counters.lock:
+                store.counters.corrupt_dropped += len(bad)
+            error = Corrupt(
+                f"{len(bad)} page(s) failed the payload checksum after the network receive "
+                f"(first: page {bad[0]}); nothing of this put was stored"
+            )
         return error
 
     def _drain(self, conn: _Conn, n_bytes: int, timeout_s: float | None = None) -> None:
@@ -589,24 +610,3 @@ class TcpServer:
             n = min(left, len(scratch))
             conn.recv(view[:n], max(timeout - (time.monotonic() - start), 0.001))
             left -= n
-
-    def _verify(self, res: Reservation, headers: Sequence[bytes]) -> None:
-        """Check every received payload against its header; Corrupt (nothing stored) if any
-        fails."""
-        store = self._store
-        dram = store.tiers.dram
-        bad: list[int] = []
-        for i, slot in enumerate(res.slots):
-            if not slot.reserved:
-                continue
-            try:
-                PageHeader.decode(headers[i]).verify_payload(dram.view(slot.offset, slot.length))
-            except Corrupt:
-                bad.append(i)
-        if bad:
-            with store.counters.lock:
-                store.counters.corrupt_dropped += len(bad)
-            raise Corrupt(
-                f"{len(bad)} page(s) failed the payload checksum after the network receive "
-                f"(first: page {bad[0]}); nothing of this put was stored"
-            )

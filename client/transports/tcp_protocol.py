@@ -64,6 +64,9 @@ KIND_LOOKUP_HITS = 11
 _SIZE = struct.Struct("<Q")
 _TIERS = {int(t): t for t in Tier}
 MAX_REPLY_META_BYTES = 1 << 30
+# Payloads are received in groups of about this much (half a socket buffer): the receiver
+# checksums one group while the kernel takes in the next.
+RECEIVE_GROUP_BYTES = 2 << 20
 
 
 class RemoteError(Exception):
@@ -213,8 +216,8 @@ def get_op(
     entries = decode_manifest(meta, len(keys))
     headers: list[PageHeader | None] = [None] * len(keys)
     corrupt = 0
-    targets: list[memoryview] = []
-    dropped: list[tuple[int, int]] = []  # (target, size): received and dropped, to stay in step
+    targets: list[tuple[int, memoryview]] = []  # (page, where its payload goes; -1: dropped)
+    scratch: memoryview | None = None  # one buffer for every dropped payload, again and again
     for i, entry in enumerate(entries):
         if not entry.present:
             continue
@@ -223,30 +226,45 @@ def get_op(
         header = accept_entry(entry, keys[i], scope_digest, into[i])
         if header is None:
             corrupt += 1
-            if entry.payload_bytes:
-                dropped.append((len(targets), entry.payload_bytes))
-                targets.append(memoryview(b""))  # a scratch view, below
+            if entry.payload_bytes:  # received and dropped, to stay in step
+                if scratch is None or scratch.nbytes < entry.payload_bytes:
+                    scratch = memoryview(bytearray(entry.payload_bytes))
+                targets.append((-1, scratch[: entry.payload_bytes]))
             continue
         if entry.payload_bytes:
-            targets.append(into[i][: entry.payload_bytes])
+            targets.append((i, into[i][: entry.payload_bytes]))
         headers[i] = header
-    if dropped:  # one scratch buffer, received into again and again
-        scratch = memoryview(bytearray(max(size for _, size in dropped)))
-        for at, size in dropped:
-            targets[at] = scratch[:size]
-    if targets:
-        yield RecvMany(tuple(targets))  # every payload straight into its buffer
-    if verify:
-        for i, header in enumerate(headers):
+    for group in receive_groups(targets):
+        # straight into the buffers; each group's checksums are computed while the kernel
+        # already receives the next group
+        yield RecvMany(tuple(view for _, view in group))
+        if not verify:
+            continue
+        for i, view in group:
+            header = headers[i] if i >= 0 else None
             if header is None:
                 continue
             try:
-                header.verify_payload(into[i][: header.payload_bytes])
+                header.verify_payload(view)
             except Corrupt as exc:
                 log.debug("tcp get: page %d dropped: %s", i, exc)
                 headers[i] = None
                 corrupt += 1
     return GetOutcome(tuple(headers), corrupt)
+
+
+def receive_groups(targets: Sequence[tuple[int, memoryview]]) -> list[list[tuple[int, memoryview]]]:
+    """`targets` cut into consecutive groups of about RECEIVE_GROUP_BYTES (whole pages), so a
+    receiver can check one group's pages while the next one is arriving."""
+    groups: list[list[tuple[int, memoryview]]] = []
+    size = RECEIVE_GROUP_BYTES
+    for target in targets:
+        if size >= RECEIVE_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(target)
+        size += target[1].nbytes
+    return groups
 
 
 def accept_entry(

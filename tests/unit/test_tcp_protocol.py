@@ -17,7 +17,9 @@ from client.transports.tcp_protocol import (
     KIND_LOOKUP,
     KIND_LOOKUP_HITS,
     KIND_PUT_PAGES,
+    RECEIVE_GROUP_BYTES,
     Recv,
+    RecvMany,
     RemoteError,
     Send,
     Step,
@@ -192,3 +194,44 @@ def test_a_lookup_is_one_round_trip_with_a_tier_per_hit() -> None:
     with pytest.raises(ProtocolError, match="tier"):
         run(lookup_op(b"q", 5), preamble(KIND_LOOKUP_HITS, 1, 1) + b"\x09")
     assert PREAMBLE.size == 16
+
+
+def test_payloads_come_in_groups_each_checked_before_the_next_is_received() -> None:
+    big = KVLayout(num_layers=4, num_kv_heads=4, head_dim=128, page_tokens=32)
+    scope = make_scope(layout=big)
+    per_group = RECEIVE_GROUP_BYTES // scope.page_payload_bytes
+    n = 2 * per_group
+    rng = random.Random(3)
+    ps = build_pages(
+        scope,
+        list(range(n * big.page_tokens)),
+        [rng.randbytes(scope.page_payload_bytes) for _ in range(n)],
+    )
+    manifest = encode_manifest([ManifestEntry(p.header.encode(), len(p.payload)) for p in ps])
+    payloads = [bytearray(p.payload) for p in ps]
+    payloads[5][0] ^= 1  # damaged on the wire
+    reply = preamble(KIND_MANIFEST, n, len(manifest)) + manifest + b"".join(payloads)
+    into = [memoryview(bytearray(scope.page_payload_bytes)) for _ in range(n)]
+    op = get_op(
+        b"r", scope.digest, [p.header.key for p in ps], into, verify=True, max_page_bytes=1 << 20
+    )
+    groups: list[int] = []
+    pos = 0
+    step = next(op)
+    try:
+        while True:
+            views: tuple[memoryview, ...] = ()
+            if isinstance(step, RecvMany):
+                groups.append(len(step.parts))
+                views = step.parts
+            elif isinstance(step, Recv):
+                views = (step.into,)
+            for view in views:
+                view[:] = reply[pos : pos + view.nbytes]
+                pos += view.nbytes
+            step = op.send(None)
+    except StopIteration as stop:
+        out = stop.value
+    assert groups == [per_group, per_group]
+    assert [h is not None for h in out.headers] == [i != 5 for i in range(n)]
+    assert out.corrupt == 1
