@@ -421,6 +421,11 @@ def print_latency(add: dict[str, object], tgt: dict[str, object]) -> None:
     cpu = add.get("router_cpu_ms_per_request")
     if isinstance(cpu, float):
         print(f"\nrouter process CPU per request (idle load polls taken out): {cpu:.2f} ms")
+    load = add.get("load_average")
+    if isinstance(load, dict):
+        start, end = (" / ".join(f"{x:.2f}" for x in load[k]) for k in ("start", "end"))
+        print(f"load average (1 / 5 / 15 min) as the rounds started: {start}; as they ended: "
+              f"{end} ({add.get('rounds_s', math.nan):.0f} s of rounds)")  # fmt: skip
     print()
 
 

@@ -22,7 +22,8 @@ not hide the router's. A round's difference (router - direct) pairs two samples 
 apart under the same machine load; the report gives each path's p50, and per router path the
 median of the paired differences (and of the paired TTFT ratios) with a 95% bootstrap interval.
 It also reads the router process's CPU time (/proc) over the rounds, less its idle rate (load
-polls), per request.
+polls), per request, and the machine's load average (1, 5, 15 min) as the rounds start and end:
+on a shared machine the added time follows the load, so a result is read with it.
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ async def _measure(
                 await ttft()
         idle_cpu_per_s = await _idle_rate(router_pid)
         rng = random.Random(seed)
+        load0 = os.getloadavg()
         cpu0, wall0 = _cpu_s(router_pid) if router_pid else None, time.perf_counter()
         for _ in range(reps):
             order = list(PATHS)
@@ -229,12 +231,16 @@ async def _measure(
                 samples[f"{path}.full"].append(await full())
                 samples[f"{path}.ttft"].append(await ttft())
         cpu1, wall1 = _cpu_s(router_pid) if router_pid else None, time.perf_counter()
+        load1 = os.getloadavg()
     await raw.close()
     cpu_ms = None
     if cpu0 is not None and cpu1 is not None and idle_cpu_per_s is not None:
         busy = (cpu1 - cpu0) - idle_cpu_per_s * (wall1 - wall0)
         cpu_ms = 1e3 * busy / (2 * len(ROUTERS) * reps)
-    return _report(samples, ids, tokens, reps, cpu_ms, seed)
+    report = _report(samples, ids, tokens, reps, cpu_ms, seed)
+    report["load_average"] = {"start": list(load0), "end": list(load1)}
+    report["rounds_s"] = wall1 - wall0
+    return report
 
 
 async def _idle_rate(pid: int | None, seconds: float = 1.0) -> float | None:

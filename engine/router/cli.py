@@ -8,8 +8,10 @@ strata router ... --api-keys KEYS.toml        (enforce API keys: engine.router.t
 The first line on stdout names the base URL ("strata router serving on http://HOST:PORT/v1";
 --port 0 picks a free port). The HTTP server is FastAPI on uvicorn (as vLLM and SGLang serve
 theirs), on uvloop with the httptools parser when they are installed (the router extra installs
-them). It listens on loopback unless --host says otherwise. Without --api-keys it is open (any
-caller, one namespace) and says so; it refuses to listen open on a non-loopback address unless
+them), the two completion routes answered by `engine.router.completions.CompletionsFront` before
+FastAPI, each response's head written with its first body bytes (`engine.router.http_protocol`).
+It listens on loopback unless --host says otherwise. Without --api-keys it is open (any caller,
+one namespace) and says so; it refuses to listen open on a non-loopback address unless
 --allow-open is given (docs/security.md).
 SIGTERM or Ctrl-C stops it (streams in flight are cancelled on their workers).
 """
@@ -85,6 +87,10 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# seconds an idle kept-alive client connection stays open (uvicorn's default is 5)
+KEEP_ALIVE_S = 15
+
+
 def serve(
     config: RouterConfig,
     *,
@@ -137,6 +143,9 @@ def serve(
             server_header=False,  # no `server: uvicorn` line for every client to parse
             # httptools, each response's head and first body bytes in one write
             http=protocol_class() or "auto",
+            # longer than an HTTP client's idle pool expiry (httpx, so the OpenAI SDK: 5 s), so
+            # the server does not close a kept-alive connection just as the client reuses it
+            timeout_keep_alive=KEEP_ALIVE_S,
             timeout_graceful_shutdown=5,
             lifespan="on",
         )

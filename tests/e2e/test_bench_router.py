@@ -78,6 +78,9 @@ def test_bench_router_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert added["added"][client]["streamed_ttft_ratio"]["median"] > 0
     cpu = added["router_cpu_ms_per_request"]
     assert cpu is None or -50 < cpu < 1000  # tick-resolution noise over 3 rounds, not a hang
+    load = added["load_average"]
+    assert len(load["start"]) == len(load["end"]) == 3 and min(load["start"]) >= 0
+    assert added["rounds_s"] > 0
     assert data["profile"]["source"].startswith("measured")
     assert data["profile"]["prefill"]["per_token_s"] >= 0
     assert data["prediction"]["samples"] == sent
