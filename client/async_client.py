@@ -18,12 +18,12 @@ import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 import grpc.aio
 
-from client.contract.errors import InvalidArgument, StrataError, Unavailable
+from client.contract.errors import StrataError, Unavailable
 from client.contract.scope import Scope
 from client.contract.types import (
     Event,
@@ -43,8 +43,7 @@ from client.core import lookup as lookup_op
 from client.core import put as put_op
 from client.core.frames import GET_METHOD, PUT_METHOD
 from client.core.requests import check_node, scope_bytes
-from client.core.retry import RetryPolicy
-from client.core.route import Route, Settings
+from client.core.route import Route
 from client.core.run import Run
 from client.core.steps import (
     BULK_FAILED,
@@ -67,15 +66,13 @@ from client.core.steps import (
     StreamGet,
     StreamPut,
 )
+from client.shell import ClientShell, Transport
 from client.transports._wire import (
-    DEFAULT_MAX_MESSAGE_BYTES,
     WATCH_TIMEOUT_S,
-    auth_metadata,
     channel_options,
     event_from_proto,
     map_rpc_error,
     raw_bytes,
-    resolve_token,
     tune_malloc,
     typed_error,
 )
@@ -86,9 +83,8 @@ from client.transports.shm import (
     segments_current,
     write_reserved,
 )
-from client.transports.tls import TlsOptions, open_aio_channel, open_channel, resolve_tls
-from client.transports.ucx_protocol import TCP_SCHEME
-from client.transports.ucx_transport import TransportFailed, UcxLink, UcxTransport
+from client.transports.tls import open_aio_channel, open_channel
+from client.transports.ucx_transport import TransportFailed, UcxTransport
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
 
@@ -98,7 +94,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-Transport = Literal["shm", "grpc", "ucx", "tcp"]
 _LOCAL_PROBE_S = 2.0
 
 
@@ -125,48 +120,20 @@ class _Connection:
             m.close()
 
 
-class AsyncStoreClient:
+class AsyncStoreClient(ClientShell):
     """asyncio client of one store daemon at `address`; see `StoreClient` for the arguments
     (`shared_memory`, `ucx`, `tcp`, `tls`, `token`: the same modes, the same errors).
 
     Use it from one event loop: the channel is made, lazily, in the loop of the first call.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        shared_memory: bool | None = None,
-        timeout_s: float = 10.0,
-        retries: int = 2,
-        io_class: IoClass = IoClass.NORMAL,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        ucx: bool | None = None,
-        tcp: bool | None = None,
-        tls: TlsOptions | bool | None = None,
-        token: str | None = None,
-    ) -> None:
-        if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
-            raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
-        self.address = address
-        self._tls = resolve_tls(tls)
-        self._token = resolve_token(token)
-        self._metadata = auth_metadata(self._token)  # on every call
-        self._shared_memory = shared_memory
-        self._timeout_s = timeout_s
-        self._settings = Settings(
-            timeout_s, RetryPolicy(retries), IoClass(io_class), max_message_bytes
-        )
-        self._max_message_bytes = max_message_bytes
-        self._ucx = UcxLink(ucx, address, tcp, self._tls, self._token)
+    def _init_io_state(self) -> None:
         self._bulk_conn: _Connection | None = None  # the connection the bulk path was opened for
         self._lock = asyncio.Lock()
         self._conn: _Connection | None = None
         self._closed = False
         self._put_channel: grpc.Channel | None = None  # blocking channel for put streams
         self._releases: set[asyncio.Task[None]] = set()
-        self.corrupt_pages = 0
-        """Pages dropped by verification since the client was made (each also a miss)."""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -186,11 +153,7 @@ class AsyncStoreClient:
         conn = self._conn
         if conn is None:
             raise StrataError("not connected yet: call connect() first")
-        if conn.transport == "grpc" and self._bulk_conn is conn:
-            bulk = self._ucx_for(conn)
-            if bulk is not None:
-                return "tcp" if bulk.address.startswith(TCP_SCHEME) else "ucx"
-        return conn.transport
+        return self._transport_of(conn, self._bulk_for(conn) if self._bulk_conn is conn else None)
 
     async def close(self) -> None:
         """Wait briefly for outstanding lease releases, close the channel and unmap. Idempotent."""
@@ -442,13 +405,7 @@ class AsyncStoreClient:
         """What `conn` offers a call (`data`: one that may take the bulk path, settled here on
         first ask)."""
         bulk = await self._bulk(conn) if data else None
-        return Route(
-            limits=conn.node.limits,
-            same_host=bool(conn.maps),
-            bulk=bulk is not None,
-            bulk_lookups=bulk is not None and bulk.tcp is not None,
-            pipelined=True,
-        )
+        return self._route_of(conn, bulk, pipelined=True)
 
     async def _bulk(self, conn: _Connection) -> UcxTransport | None:
         """The UCX or TCP transport of the remote path of `conn`, or None (use gRPC); opened
@@ -456,21 +413,10 @@ class AsyncStoreClient:
         if conn.maps or self._ucx.off:
             return None
         if self._bulk_conn is conn:
-            return self._ucx_for(conn)  # opened already: no I/O
-        transport = await asyncio.to_thread(self._ucx_for, conn)
+            return self._bulk_for(conn)  # opened already: no I/O
+        transport = await asyncio.to_thread(self._bulk_for, conn)
         self._bulk_conn = conn
         return transport
-
-    def _ucx_for(self, conn: _Connection) -> UcxTransport | None:
-        if conn.maps or self._ucx.off:
-            return None
-        return self._ucx.transport(
-            conn,
-            conn.node.ucx_address or "",
-            tcp_address=conn.node.tcp_address or "",
-            timeout_s=self._timeout_s,
-            max_page_bytes=conn.node.limits.max_page_bytes,
-        )
 
     async def _ready(self) -> _Connection:
         conn = self._conn

@@ -29,11 +29,11 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import grpc
 
-from client.contract.errors import InvalidArgument, StrataError, Unavailable
+from client.contract.errors import StrataError, Unavailable
 from client.contract.scope import Scope
 from client.contract.types import (
     Event,
@@ -53,8 +53,8 @@ from client.core import lookup as lookup_op
 from client.core import put as put_op
 from client.core.frames import GET_METHOD, PUT_METHOD
 from client.core.requests import check_node, scope_bytes
-from client.core.retry import Deadline, RetryPolicy
-from client.core.route import Route, Settings
+from client.core.retry import Deadline
+from client.core.route import Route
 from client.core.run import Run
 from client.core.steps import (
     BULK_FAILED,
@@ -77,15 +77,13 @@ from client.core.steps import (
     StreamGet,
     StreamPut,
 )
+from client.shell import ClientShell, Transport
 from client.transports._wire import (
-    DEFAULT_MAX_MESSAGE_BYTES,
     WATCH_TIMEOUT_S,
-    auth_metadata,
     channel_options,
     event_from_proto,
     map_rpc_error,
     raw_bytes,
-    resolve_token,
     tune_malloc,
     typed_error,
     with_token,
@@ -101,16 +99,14 @@ from client.transports.shm import (
     segments_current,
     write_reserved,
 )
-from client.transports.tls import TlsOptions, open_channel, resolve_tls
-from client.transports.ucx_protocol import TCP_SCHEME
-from client.transports.ucx_transport import TransportFailed, UcxLink, UcxTransport
+from client.transports.tls import open_channel
+from client.transports.ucx_transport import TransportFailed
 from kvstore_pb import store_pb2 as pb
 from kvstore_pb.store_pb2_grpc import StoreStub
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
-Transport = Literal["shm", "grpc", "ucx", "tcp"]
 _LOCAL_PROBE_S = 2.0
 
 
@@ -145,7 +141,7 @@ class _Connection:
             m.close()
 
 
-class StoreClient:
+class StoreClient(ClientShell):
     """Blocking client of one store daemon at `address` ("host:port" or "unix:/path").
 
     `shared_memory`: True forces the same-host path (Unavailable if impossible), False forbids
@@ -171,41 +167,13 @@ class StoreClient:
     scope's canonical encoding, which such a daemon checks against the token.
     """
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        shared_memory: bool | None = None,
-        timeout_s: float = 10.0,
-        retries: int = 2,
-        io_class: IoClass = IoClass.NORMAL,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        ucx: bool | None = None,
-        tcp: bool | None = None,
-        tls: TlsOptions | bool | None = None,
-        token: str | None = None,
-    ) -> None:
-        if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
-            raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
-        self.address = address
-        self._shared_memory = shared_memory
-        self._timeout_s = timeout_s
-        self._settings = Settings(
-            timeout_s, RetryPolicy(retries), IoClass(io_class), max_message_bytes
-        )
-        self._max_message_bytes = max_message_bytes
-        self._tls = resolve_tls(tls)
-        self._token = resolve_token(token)
-        self._metadata = auth_metadata(self._token)  # for the raw Put and Get calls
-        self._ucx = UcxLink(ucx, address, tcp, self._tls, self._token)
+    def _init_io_state(self) -> None:
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
         self._closed = False
         self._lane_refused = False  # said once in the log
         self._releases: list[grpc.Future[pb.ReleaseResponse]] = []
         self._counter_lock = threading.Lock()
-        self.corrupt_pages = 0
-        """Pages dropped by verification since the client was made (each also a miss)."""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -229,9 +197,7 @@ class StoreClient:
         conn = self._conn
         if conn is None:
             raise StrataError("not connected yet: call connect() first")
-        if conn.transport == "grpc" and (bulk := self._ucx_for(conn)) is not None:
-            return "tcp" if bulk.address.startswith(TCP_SCHEME) else "ucx"
-        return conn.transport
+        return self._transport_of(conn, self._bulk_for(conn))
 
     def close(self) -> None:
         """Send outstanding lease releases (briefly), close the channel and unmap. Idempotent."""
@@ -467,7 +433,7 @@ class StoreClient:
         return put(step.messages, timeout=step.timeout_s, metadata=self._metadata)
 
     def _bulk_get(self, conn: _Connection, step: BulkGet) -> object:
-        ucx = self._ucx_for(conn)
+        ucx = self._bulk_for(conn)
         if ucx is None:
             return BULK_FAILED
         try:
@@ -485,7 +451,7 @@ class StoreClient:
         return outcome.headers, outcome.corrupt
 
     def _bulk_lookup(self, conn: _Connection, step: BulkLookup) -> object:
-        ucx = self._ucx_for(conn)
+        ucx = self._bulk_for(conn)
         if ucx is None:
             return BULK_FAILED
         try:
@@ -495,7 +461,7 @@ class StoreClient:
             return BULK_FAILED
 
     def _bulk_put(self, conn: _Connection, step: BulkPut) -> object:
-        ucx = self._ucx_for(conn)
+        ucx = self._bulk_for(conn)
         if ucx is None:
             return BULK_FAILED
         try:
@@ -509,26 +475,8 @@ class StoreClient:
     def _route(self, conn: _Connection, data: bool) -> Route:
         """What `conn` offers a call (`data`: one that may take the bulk path, settled here on
         first ask)."""
-        bulk = self._ucx_for(conn) if data else None
-        return Route(
-            limits=conn.node.limits,
-            same_host=bool(conn.maps),
-            bulk=bulk is not None,
-            bulk_lookups=bulk is not None and bulk.tcp is not None,
-            pipelined=isinstance(conn.stub, LaneStub),
-        )
-
-    def _ucx_for(self, conn: _Connection) -> UcxTransport | None:
-        """The UCX transport of the remote path of `conn`, or None (use gRPC)."""
-        if conn.maps or self._ucx.off:
-            return None
-        return self._ucx.transport(
-            conn,
-            conn.node.ucx_address or "",
-            tcp_address=conn.node.tcp_address or "",
-            timeout_s=self._timeout_s,
-            max_page_bytes=conn.node.limits.max_page_bytes,
-        )
+        bulk = self._bulk_for(conn) if data else None
+        return self._route_of(conn, bulk, pipelined=isinstance(conn.stub, LaneStub))
 
     def _ready(self) -> _Connection:
         conn = self._conn
