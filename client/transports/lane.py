@@ -223,10 +223,10 @@ class Lane:
 
     def finish(self, sock: socket.socket) -> bytes:
         """The reply to the request just sent on `sock` (which goes back to the pool). Raises
-        LaneError."""
+        LaneError. Nothing but this reply can arrive on `sock` now, so the frame head and a
+        small body come in one read."""
         try:
-            length, status, retry_ms = RESPONSE.unpack(recv_exact(sock, RESPONSE.size))
-            body = bytes(recv_exact(sock, length)) if length else b""
+            status, retry_ms, body = _read_reply(sock)
         except TimeoutError:
             sock.close()
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call timed out") from None
@@ -250,6 +250,34 @@ class Lane:
         for sock in idle:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+_FIRST_READ = 16 << 10  # a reply this small (a miss, a lookup, most acquires) is one recv
+
+
+def _read_reply(sock: socket.socket) -> tuple[int, int, bytes]:
+    """(status, retry-after ms, body) of the one reply frame due on `sock`."""
+    head = RESPONSE.size
+    buf = bytearray(_FIRST_READ)
+    view = memoryview(buf)
+    got = 0
+    while got < head:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise LaneClosed("lane closed by peer")
+        got += n
+    length, status, retry_ms = RESPONSE.unpack_from(buf)
+    total = head + length
+    if total <= got:
+        return status, retry_ms, bytes(view[head:total])
+    if total <= _FIRST_READ:
+        while got < total:
+            n = sock.recv_into(view[got:total])
+            if n == 0:
+                raise LaneClosed("lane closed by peer")
+            got += n
+        return status, retry_ms, bytes(view[head:total])
+    return status, retry_ms, bytes(view[head:got]) + bytes(recv_exact(sock, total - got))
 
 
 class LaneStub:
