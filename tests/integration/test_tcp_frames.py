@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 
 import pytest
 from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope, tokens_of
@@ -17,7 +18,7 @@ from test_ucx_path import LARGE, SMALL, prompt
 
 import kvstore.tcp_server
 from client import Page
-from client.contract.errors import InvalidArgument
+from client.contract.errors import InvalidArgument, PermissionDenied
 from client.contract.scope import Scope
 from client.contract.types import PutStatus, Tier
 from client.transports.tcp_protocol import (
@@ -335,3 +336,32 @@ def test_a_same_host_put_whose_checksum_the_daemon_computes_is_served_verified_o
     assert got.hit_count == 3 and got.rejected == 0
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
     assert [h.payload_checksum for h in got.headers] == [p.header.payload_checksum for p in pages]
+
+
+def test_a_lookup_over_tcp_is_checked_against_the_connections_principal(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    from test_store_data_path_auth import TOKENS, A, B, _client, _daemon
+
+    daemon = _daemon(daemon_factory, tmp_path, **TCP_ON)
+    a = _client(daemon, "engine-a", tcp=True)
+    b = _client(daemon, "engine-b", tcp=True)
+    pages = prompt(A, 3, seed=21)
+    assert a.put(A, pages).stored == 3
+    assert a.lookup(A, keys_of(pages)).hit_count == 3
+    with pytest.raises(PermissionDenied):
+        b.lookup(A, keys_of(pages))
+    assert (a.transport, b.transport) == ("tcp", "tcp")  # a refusal is no transport failure
+    transport = TcpTransport(daemon.info.tcp_address, token=TOKENS["engine-b"])
+    try:
+        request = pb.LookupRequest(
+            scope_digest=A.digest, scope=A.encode(), keys=b"".join(keys_of(pages))
+        ).SerializeToString()
+        with pytest.raises(PermissionDenied):
+            transport.lookup(request, 3, timeout_s=10)
+        own = pb.LookupRequest(
+            scope_digest=B.digest, scope=B.encode(), keys=b"".join(keys_of(pages))
+        ).SerializeToString()
+        assert transport.lookup(own, 3, timeout_s=10).hit_count == 0  # served on
+    finally:
+        transport.close()
