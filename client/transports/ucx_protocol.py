@@ -117,7 +117,7 @@ def fabric_configured() -> bool:
 
 
 def parse_address(address: str, fallback_host: str = "") -> tuple[str, int]:
-    """"ucx://host:port" or "tcp://host:port" -> (host, port). A wildcard host (0.0.0.0, ::)
+    """ "ucx://host:port" or "tcp://host:port" -> (host, port). A wildcard host (0.0.0.0, ::)
     becomes `fallback_host`. Raises InvalidArgument for anything else."""
     scheme = next((s for s in (SCHEME, TCP_SCHEME) if address.startswith(s)), None)
     if scheme is None:
