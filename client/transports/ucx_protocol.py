@@ -1,7 +1,8 @@
 """Framing of the bulk data paths, UCX and TCP, shared by the SDK (client/transports/ucx_transport.py) and
 the daemon (kvstore/ucx_server.py). Pure: no ucxx here, so both ends and the tests can import it
-freely. Over TCP (client/transports/tcp_endpoint.py) the same messages follow one another on the byte
-stream; both ends always know the size of the next one.
+freely. Over TCP the same preamble, HELLO, GET and ERROR frames follow one another on the byte
+stream, with frames of the TCP path's own (client/transports/tcp_protocol.py: PUT_PAGES, LOOKUP);
+both ends always know the size of the next one.
 
 A UCX tag message must be received into a buffer of known size, so every exchange is a fixed
 `PREAMBLE` message, then a `meta` message of `meta_bytes` (when > 0), then payload messages whose
