@@ -1,5 +1,5 @@
 """Framing of the bulk data paths, UCX and TCP, shared by the SDK (client/transports/ucx_transport.py) and
-the daemon (kvstore/ucx_server.py). Pure: no ucxx here, so both ends and the tests can import it
+the daemon (kvstore/ucx_server.py, kvstore/tcp_server.py). Pure: no ucxx here, so both ends and the tests can import it
 freely. Over TCP the same preamble, HELLO, GET and ERROR frames follow one another on the byte
 stream, with frames of the TCP path's own (client/transports/tcp_protocol.py: PUT_PAGES, LOOKUP);
 both ends always know the size of the next one.
