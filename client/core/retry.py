@@ -93,13 +93,16 @@ def retried(
     policy: RetryPolicy,
     timeout_s: float,
     attempt: Callable[[float], Plan[R]],
+    *,
+    first: int = 0,
 ) -> Plan[R]:
     """Run the plan `attempt(timeout_s_left)` until it succeeds, within one deadline of
     `timeout_s`: a typed error is retried (after a `Pause`) when the method is idempotent, the
-    error retryable and the wait inside the deadline; otherwise it is raised."""
+    error retryable and the wait inside the deadline; otherwise it is raised. `first`: how many
+    attempts were made already (the backoff goes on from there)."""
     deadline = Deadline(timeout_s)
     attempts = policy.attempts_for(method)
-    for n in range(attempts):
+    for n in range(first, attempts):
         try:
             return (yield from attempt(max(deadline.remaining_s(), 0.001)))
         except StrataError as error:
@@ -115,12 +118,37 @@ def call(
     method: str, request: Message, reply_type: type[M], policy: RetryPolicy, timeout_s: float
 ) -> Plan[M]:
     """The unary control call `method`, retried as `retried` says; its reply, checked to be a
-    `reply_type` (a malformed-reply StrataError, never retried, otherwise)."""
+    `reply_type` (a malformed-reply StrataError, never retried, otherwise).
 
-    def attempt(left_s: float) -> Plan[M]:
-        reply = yield Call(method, request, left_s)
-        if not isinstance(reply, reply_type):
-            raise malformed(f"{method} answered {type(reply).__name__}")
-        return reply
+    The first attempt is yielded from here directly (one generator level, no deadline object:
+    the common case of a control call on the hot path); only a failure goes on to `retried`,
+    with what is left of the same deadline."""
+    started = time.monotonic()
+    try:
+        reply = yield Call(method, request, timeout_s)
+    except StrataError as error:
+        if policy.attempts_for(method) < 2:
+            raise
+        reply = yield from _after_first_failure(
+            method, request, policy, timeout_s - (time.monotonic() - started), error
+        )
+    if not isinstance(reply, reply_type):
+        raise malformed(f"{method} answered {type(reply).__name__}")
+    return reply
 
-    return (yield from retried(method, policy, timeout_s, attempt))
+
+def _after_first_failure(
+    method: str, request: Message, policy: RetryPolicy, left_s: float, error: StrataError
+) -> Plan[object]:
+    """The attempts of `call` after its first one failed with `error`, within `left_s`."""
+    deadline = Deadline(left_s)
+    delay = policy.delay_s(0, error, deadline)
+    if delay is None:
+        raise error
+    log.debug("%s failed (%s); retrying in %.3f s", method, error, delay)
+    yield Pause(delay)
+
+    def attempt(timeout: float) -> Plan[object]:
+        return (yield Call(method, request, timeout))
+
+    return (yield from retried(method, policy, deadline.remaining_s(), attempt, first=1))
