@@ -320,7 +320,10 @@ def test_a_corrupt_page_is_recomputed(
     engines.prefill.prefill(prompt, GREEDY)
     keys = page_keys(scope, prompt)
     buf = bytearray(scope.page_payload_bytes)
-    assert engines.store.get(scope, keys[1:2], [buf], tokens=None).hit_count == 1
+    # a remote read: the daemon computes page 1's checksum (a same-host publish leaves it to the
+    # daemon, which computes it when the bytes leave DRAM)
+    remote = daemon.client(shared_memory=False)
+    assert remote.get(scope, keys[1:2], [buf], tokens=None).hit_count == 1
     # flip one byte of page 1's payload where it lies, in the daemon's DRAM segment
     with open(f"/dev/shm/{daemon.info.segment_name}", "r+b") as segment:
         data = segment.read()
@@ -328,11 +331,17 @@ def test_a_corrupt_page_is_recomputed(
         assert at >= 0 and data.find(bytes(buf), at + 1) < 0
         segment.seek(at + 100)
         segment.write(bytes([data[at + 100] ^ 0x40]))
+    # ...then it leaves DRAM for SSD: the read back verifies it (a same-host copy out of DRAM is
+    # fenced, not hashed: the checksum is checked where bytes can be damaged)
+    with daemon.store._lock:
+        entry = daemon.store.index.get(keys[1])
+    assert entry is not None and daemon.store.mover.copy_to_ssd(entry, clear_dram=True)
+    before = daemon.store.counters.corrupt_dropped
     first = engines.prefill.prefill(prompt, GREEDY)
     assert (first.hit_tokens.total, first.computed_tokens) == (16, 24)
     rest = engines.decode.generate(prompt, (first.first_token,), GREEDY)
     assert [first.first_token, *rest.token_ids] == want
-    assert engines.store.corrupt_pages >= 2
+    assert daemon.store.counters.corrupt_dropped == before + 1  # dropped, counted, recomputed
 
 
 def test_a_full_store_refuses_pages_and_requests_still_complete(
