@@ -8,11 +8,15 @@ on the same source and destination buffers:
 - a plain memcpy of the same bytes;
 - on each path (same-host shared memory, remote TCP, remote gRPC; UCX on a second daemon where
   ucxx works) a put and a get **as paid**, and the same **bare**. A put as paid builds its pages'
-  headers inside the timed call (`build_pages`: the key chain and the xxh3 checksum of every
-  payload, as the engine's publisher does); bare, it puts headers built beforehand. A get as
-  paid asks for verification (`verify=True`, what `engine.store_link` asks for) and passes the
-  pages' token ids (the SDK checks key, scope, KV format and exact tokens against each header,
-  the only check the engine's pull makes now); bare, it only counts hits (`verify=False`). The gap between the two is integrity's cost;
+  headers inside the timed call (`build_pages`, as the engine's publisher does: the key chain,
+  and on a remote path the xxh3 checksum of every payload, which `encode()` computes inside the
+  put; a same-host put leaves the checksum to the daemon, which computes it when the page's
+  bytes leave DRAM); bare, it puts headers built (and, after the first call, checksummed)
+  beforehand. A get as paid asks for verification (`verify=True`, what `engine.store_link` asks
+  for: on a remote path the payload checksum of every page received; on the same host the slot
+  generation fence, no payload hash) and passes the pages' token ids (the SDK checks key, scope,
+  KV format and exact tokens against each header, as the engine's pull does); bare, it only
+  counts hits (`verify=False`). The gap between the two is integrity's cost;
 - with `--against mooncake`: Mooncake's zero-copy batch API on the same buffers, with its
   storage in this process (same-host) and in another process over its TCP transport (remote),
   and the ratios of Strata as paid to Mooncake (see `loadtests.peers.mooncake_rows`).
