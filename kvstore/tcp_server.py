@@ -125,7 +125,7 @@ class _Conn:
 
     def recv(self, into: memoryview, timeout_s: float | None) -> None:
         deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
-        if self.reader.fill((into,), deadline) < into.nbytes:
+        if self.reader.fill_one(into, deadline) < into.nbytes:
             raise _PeerGone
 
 
@@ -285,7 +285,7 @@ class TcpServer:
                 conn.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
         ctx = self._tls_context
         if ctx is None:
-            return conn
+            return conn  # blocking: each receive and send bounds its own wait (send_parts)
         conn.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
         try:
             head = conn.recv(1, socket.MSG_PEEK)
@@ -303,6 +303,7 @@ class TcpServer:
         if self._tls is not None and self._tls.require:
             log.warning("TCP data path: plaintext connection refused (TLS is required)")
             return None
+        conn.settimeout(None)
         return conn
 
     def _requests(self, conn: _Conn) -> None:

@@ -50,6 +50,7 @@ from client.transports.ucx_protocol import (
     decode_error,
     decode_manifest,
     decode_put,
+    encode_manifest,
     encode_put,
     parse_preamble,
     preamble,
@@ -67,6 +68,9 @@ MAX_REPLY_META_BYTES = 1 << 30
 # Payloads are received in groups of about this much (half a socket buffer): the receiver
 # checksums one group while the kernel takes in the next.
 RECEIVE_GROUP_BYTES = 2 << 20
+# A manifest entry of an absent page is all zero bytes: a manifest of nothing but those is a
+# miss of every key, answered without decoding an entry.
+_ABSENT_ENTRY_BYTES = len(encode_manifest([ManifestEntry(b"", 0)]))
 
 
 class RemoteError(Exception):
@@ -164,8 +168,12 @@ def encode_tiers(tiers: Sequence[Tier | int]) -> bytes:
 def decode_tiers(meta: bytes | bytearray, hits: int, asked: int) -> tuple[Tier, ...]:
     if hits > asked or len(meta) != hits:
         raise ProtocolError(f"lookup of {asked} keys answered {hits} hits, {len(meta)} tiers")
+    if not hits:
+        return ()
     try:
-        return tuple(_TIERS[b] for b in meta)
+        if meta.count(meta[0]) == hits:  # a chain usually sits in one tier: no per-page step
+            return (_TIERS[meta[0]],) * hits
+        return tuple(map(_TIERS.__getitem__, meta))
     except KeyError as exc:
         raise ProtocolError(f"unknown tier {exc.args[0]} in a lookup answer") from None
 
@@ -209,10 +217,12 @@ def get_op(
     trip. A page whose header is not the one asked for (key, scope, size) or (with `verify`)
     whose payload fails its checksum is a miss counted in `corrupt`; its buffer is then
     unspecified."""
-    yield Send((preamble(KIND_GET, 0, len(request)), request))
+    yield Send((preamble(KIND_GET, 0, len(request)) + request,))  # one buffer: a plain send
     kind, aux, meta = yield from _frame()
     if kind != KIND_MANIFEST or aux != len(keys):
         raise ProtocolError(f"expected a manifest of {len(keys)} pages, got frame {kind}/{aux}")
+    if len(meta) == len(keys) * _ABSENT_ENTRY_BYTES and not meta.strip(b"\0"):
+        return GetOutcome((None,) * len(keys), 0)  # every entry absent: nothing follows
     entries = decode_manifest(meta, len(keys))
     headers: list[PageHeader | None] = [None] * len(keys)
     corrupt = 0
@@ -305,7 +315,7 @@ def put_op(
 
 def lookup_op(request: bytes, asked: int) -> Generator[Step, None, LookupHits]:
     """Look up the serialized LookupRequest `request` (of `asked` keys): one round trip."""
-    yield Send((preamble(KIND_LOOKUP, 0, len(request)), request))
+    yield Send((preamble(KIND_LOOKUP, 0, len(request)) + request,))
     kind, hits, meta = yield from _frame()
     if kind != KIND_LOOKUP_HITS:
         raise ProtocolError(f"expected lookup hits, got frame {kind}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import select
 import socket
 import ssl
 import threading
@@ -93,6 +94,35 @@ def _remaining(deadline: float) -> float | None:
     return left
 
 
+# Plain sockets stay in blocking mode, and each receive or send is first tried without
+# waiting (MSG_DONTWAIT): when the bytes are there (a reply usually is by the time its request
+# has been sent, the daemon having run meanwhile) the call is one syscall. Only a try that
+# would block waits, in one poll() bounded by the deadline. (A Python socket with a timeout
+# instead polls before every call and takes an ioctl for every change of its timeout.)
+_NOWAIT = socket.MSG_DONTWAIT
+
+
+def _wait(sock: socket.socket, events: int, deadline: float) -> None:
+    """Block until `sock` is ready for `events`; TimeoutError past `deadline`."""
+    left = _remaining(deadline)
+    poller = select.poll()
+    poller.register(sock, events)
+    if not poller.poll(None if left is None else max(math.ceil(left * 1000), 1)):
+        raise TimeoutError
+
+
+def recv_some(sock: socket.socket, into: memoryview, deadline: float) -> int:
+    """One receive into `into` (0: the peer closed), waiting at most until `deadline`."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(_remaining(deadline))
+        return sock.recv_into(into)
+    while True:
+        try:
+            return sock.recv_into(into, 0, _NOWAIT)
+        except BlockingIOError:
+            _wait(sock, select.POLLIN, deadline)
+
+
 def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadline: float) -> None:
     """Send every byte of `parts` on the blocking socket `sock` before `deadline`: one
     `sendmsg` for many buffers on a plain socket, a `sendall` per buffer over TLS."""
@@ -112,10 +142,22 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadlin
             sock.settimeout(_remaining(deadline))
             sock.sendall(small)
         return
+    if len(parts) == 1:  # one buffer (a small request): a plain send, usually all at once
+        part = parts[0]
+        try:
+            sent = sock.send(part, _NOWAIT)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(part):
+            return
+        parts = (memoryview(part)[sent:],)
     pending = [memoryview(p).cast("B") for p in parts if len(p)]
     while pending:
-        sock.settimeout(_remaining(deadline))
-        sent = sock.sendmsg(pending[:_MAX_IOV])
+        try:
+            sent = sock.sendmsg(pending[:_MAX_IOV], (), _NOWAIT)
+        except BlockingIOError:
+            _wait(sock, select.POLLOUT, deadline)
+            continue
         while sent and pending:
             n = pending[0].nbytes
             if sent >= n:
@@ -124,6 +166,8 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadlin
             else:
                 pending[0] = pending[0][sent:]
                 sent = 0
+        if pending and deadline != math.inf:
+            _remaining(deadline)  # a peer taking a trickle does not stretch the deadline
 
 
 def recv_exact(sock: socket.socket, into: memoryview, deadline: float) -> int:
@@ -132,8 +176,7 @@ def recv_exact(sock: socket.socket, into: memoryview, deadline: float) -> int:
     view = into.cast("B") if into.format != "B" or into.ndim != 1 else into
     got, size = 0, view.nbytes
     while got < size:
-        sock.settimeout(_remaining(deadline))
-        n = sock.recv_into(view[got:])
+        n = recv_some(sock, view[got:], deadline)
         if n == 0:
             return got
         got += n
@@ -155,8 +198,11 @@ def recv_many(sock: socket.socket, parts: Sequence[memoryview], deadline: float)
     pending = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts if p.nbytes]
     got = 0
     while pending:
-        sock.settimeout(_remaining(deadline))
-        n, _, _, _ = sock.recvmsg_into(pending[:_MAX_IOV])
+        try:
+            n, _, _, _ = sock.recvmsg_into(pending[:_MAX_IOV], 0, _NOWAIT)
+        except BlockingIOError:
+            _wait(sock, select.POLLIN, deadline)
+            continue
         if n == 0:
             return got
         got += n
@@ -168,6 +214,8 @@ def recv_many(sock: socket.socket, parts: Sequence[memoryview], deadline: float)
             else:
                 pending[0] = pending[0][n:]
                 n = 0
+        if pending and deadline != math.inf:
+            _remaining(deadline)
     return got
 
 
@@ -202,13 +250,24 @@ class SocketReader:
             left = sum(p.nbytes for p in pending)
             if left >= READ_AHEAD_BYTES:
                 return got + recv_many(self._sock, pending, deadline)
-            self._sock.settimeout(_remaining(deadline))
-            n = self._sock.recv_into(self._view)
+            n = recv_some(self._sock, self._view, deadline)
             if n == 0:
                 return got
             self._start, self._end = 0, n
             got += self._take(pending)
         return got
+
+    def fill_one(self, into: memoryview, deadline: float) -> int:
+        """`fill((into,), deadline)`, for a byte view (a frame's preamble or meta): taken
+        from the buffer with one copy when it is all there already."""
+        start, size = self._start, into.nbytes
+        if self._end - start < size or into.format != "B" or into.ndim != 1:
+            return self.fill((into,), deadline)
+        into[:] = self._view[start : start + size]
+        self._start = start + size
+        if self._start == self._end:
+            self._start = self._end = 0
+        return size
 
     def _take(self, pending: list[memoryview]) -> int:
         """Hand buffered bytes out to `pending` (consumed from the front); the count."""
@@ -241,13 +300,20 @@ def drive(sock: socket.socket, reader: SocketReader, op: Op[T], deadline: float)
                     send_parts(sock, step.parts, deadline)
                 except (BrokenPipeError, ConnectionResetError) as exc:
                     raise _Closed(f"TCP send failed: {exc}", replied) from None
-            else:
-                parts = (step.into,) if isinstance(step, Recv) else step.parts
+            elif isinstance(step, Recv):
                 try:
-                    got = reader.fill(parts, deadline)
+                    got = reader.fill_one(step.into, deadline)
                 except ConnectionResetError as exc:
                     raise _Closed(f"TCP receive failed: {exc}", replied) from None
-                if got < sum(p.nbytes for p in parts):
+                if got < step.into.nbytes:
+                    raise _Closed("the daemon closed the TCP connection", replied or got > 0)
+                replied = True
+            else:
+                try:
+                    got = reader.fill(step.parts, deadline)
+                except ConnectionResetError as exc:
+                    raise _Closed(f"TCP receive failed: {exc}", replied) from None
+                if got < sum(p.nbytes for p in step.parts):
                     raise _Closed("the daemon closed the TCP connection", replied or got > 0)
                 replied = True
             step = op.send(None)
@@ -419,7 +485,9 @@ class TcpTransport:
             raise TransportFailed(f"cannot connect to {self.address}: {exc!r}") from None
         try:
             _tune(sock)
-            if self._ssl is not None:
+            if self._ssl is None:
+                sock.settimeout(None)  # blocking; each call bounds its waits (see _wait)
+            else:
                 name = (self._tls.server_name if self._tls else "") or self._host
                 sock.settimeout(TLS_HANDSHAKE_TIMEOUT_S)
                 sock = self._ssl.wrap_socket(sock, server_hostname=name)

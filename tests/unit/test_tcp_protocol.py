@@ -4,6 +4,8 @@ a scripted peer, step by step, with no socket."""
 from __future__ import annotations
 
 import random
+import socket
+import time
 from collections.abc import Generator
 from typing import TypeVar
 
@@ -31,6 +33,7 @@ from client.transports.tcp_protocol import (
     put_op,
     split_put_pages,
 )
+from client.transports.tcp_transport import SocketReader, send_parts
 from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -188,7 +191,7 @@ def test_a_lookup_is_one_round_trip_with_a_tier_per_hit() -> None:
     tiers = encode_tiers([Tier.DRAM, Tier.SSD])
     out, sends = run(lookup_op(b"q", 5), preamble(KIND_LOOKUP_HITS, 2, 2) + tiers)
     assert (out.hit_count, out.tiers) == (2, (Tier.DRAM, Tier.SSD))
-    assert bytes(sends[0].parts[0]) == preamble(KIND_LOOKUP, 0, 1)
+    assert b"".join(bytes(p) for p in sends[0].parts) == preamble(KIND_LOOKUP, 0, 1) + b"q"
     with pytest.raises(ProtocolError, match="hits"):  # more hits than keys asked
         run(lookup_op(b"q", 1), preamble(KIND_LOOKUP_HITS, 2, 2) + tiers)
     with pytest.raises(ProtocolError, match="tier"):
@@ -235,3 +238,74 @@ def test_payloads_come_in_groups_each_checked_before_the_next_is_received() -> N
     assert groups == [per_group, per_group]
     assert [h is not None for h in out.headers] == [i != 5 for i in range(n)]
     assert out.corrupt == 1
+
+
+def test_a_manifest_of_absent_pages_only_is_every_key_missed_and_one_present_is_decoded() -> None:
+    scope = make_scope(layout=LAYOUT)
+    ps = pages(1)
+    into = [memoryview(bytearray(scope.page_payload_bytes)) for _ in range(3)]
+    absent = encode_manifest([ManifestEntry(b"", 0)] * 3)
+    out, _ = run(
+        get_op(b"r", scope.digest, [bytes(16)] * 3, into, verify=True, max_page_bytes=1 << 20),
+        preamble(KIND_MANIFEST, 3, len(absent)) + absent,
+    )
+    assert (out.headers, out.corrupt) == ((None, None, None), 0)
+    one = encode_manifest(
+        [ManifestEntry(b"", 0), ManifestEntry(ps[0].header.encode(), len(ps[0].payload))]
+    )
+    keys = [bytes(16), ps[0].header.key]
+    out, _ = run(
+        get_op(b"r", scope.digest, keys, into[:2], verify=True, max_page_bytes=1 << 20),
+        preamble(KIND_MANIFEST, 2, len(one)) + one + bytes(ps[0].payload),
+    )
+    assert [h is not None for h in out.headers] == [False, True]
+    truncated = absent[:-1]  # all zero, but not whole entries: still refused
+    with pytest.raises(ProtocolError):
+        run(
+            get_op(b"r", scope.digest, [bytes(16)] * 3, into, verify=True, max_page_bytes=1 << 20),
+            preamble(KIND_MANIFEST, 3, len(truncated)) + truncated,
+        )
+
+
+def test_a_lookup_answer_in_one_tier_and_in_several_decodes_page_by_page() -> None:
+    same = encode_tiers([Tier.DRAM] * 4)
+    out, _ = run(lookup_op(b"q", 4), preamble(KIND_LOOKUP_HITS, 4, 4) + same)
+    assert out.tiers == (Tier.DRAM,) * 4
+    mixed = encode_tiers([Tier.DRAM, Tier.DRAM, Tier.SSD])
+    out, _ = run(lookup_op(b"q", 4), preamble(KIND_LOOKUP_HITS, 3, 3) + mixed)
+    assert out.tiers == (Tier.DRAM, Tier.DRAM, Tier.SSD)
+    out, _ = run(lookup_op(b"q", 4), preamble(KIND_LOOKUP_HITS, 0, 0))
+    assert out.tiers == ()
+    with pytest.raises(ProtocolError, match="tier"):  # an unknown tier after known ones
+        run(lookup_op(b"q", 4), preamble(KIND_LOOKUP_HITS, 2, 2) + b"\x01\x09")
+
+
+def test_blocking_sockets_bound_every_wait_by_the_deadline() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname(), timeout=5)
+    peer, _ = listener.accept()
+    try:
+        client.settimeout(None)  # as TcpTransport keeps its plain sockets: blocking
+        reader = SocketReader(client)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):  # the peer never answers
+            reader.fill_one(memoryview(bytearray(PREAMBLE.size)), time.monotonic() + 0.2)
+        assert 0.15 < time.monotonic() - start < 5
+        peer.sendall(b"abcdefgh" * 2)
+        head = memoryview(bytearray(4))
+        assert reader.fill_one(head, time.monotonic() + 5) == 4  # one receive, read ahead
+        assert bytes(head) == b"abcd" and reader.buffered == 12
+        rest = memoryview(bytearray(12))
+        assert reader.fill_one(rest, time.monotonic() + 5) == 12 and reader.buffered == 0
+        assert bytes(rest) == b"efgh" + b"abcdefgh"
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):  # the peer reads nothing: a large send cannot end
+            send_parts(client, [bytes(64 << 20)], time.monotonic() + 0.2)
+        assert 0.15 < time.monotonic() - start < 5
+        peer.close()  # with bytes it never read: the close resets the connection
+        with pytest.raises(ConnectionResetError):
+            reader.fill_one(memoryview(bytearray(4)), time.monotonic() + 5)
+    finally:
+        for sock in (client, peer, listener):
+            sock.close()
