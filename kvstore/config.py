@@ -89,6 +89,9 @@ class ServerConfig:
     # The TCP bulk data path (remote put/get over plain sockets, the UCX framing): true = serve it.
     tcp: bool = True
     tcp_port: int = 0  # 0 = any free port (advertised in NodeInfo)
+    # A TCP data connection with no frame for this long is closed (its thread freed; a client
+    # opens another when it needs one), so idle connections cannot hold the connection cap.
+    tcp_idle_timeout_s: float = 120.0
     # Without auth.tokens_file the daemon is open (every call allowed): it then listens on
     # loopback only, unless this says that an open daemon on another address is intended.
     allow_open: bool = False
@@ -287,6 +290,8 @@ class StoreConfig:
                 raise InvalidArgument("ssd.fault_*_error_rate must be in [0, 1]")
         if self.ssd.fault_read_delay_ms < 0 or self.ssd.fault_write_delay_ms < 0:
             raise InvalidArgument("ssd.fault_*_delay_ms must not be negative")
+        if not self.server.tcp_idle_timeout_s > 0:
+            raise InvalidArgument("server.tcp_idle_timeout_s must be positive")
         if self.server.max_streams < 0 or self.server.max_streams_per_client <= 0:
             raise InvalidArgument(
                 "server.max_streams must be >= 0 and server.max_streams_per_client positive"

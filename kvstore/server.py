@@ -295,7 +295,9 @@ class Daemon:
                 if tls is not None:
                     log.warning("the UCX data path at %s is not encrypted", node.ucx_address)
         if server.tcp:
-            tcp = TcpServer(store, server.host, tls, service.auth)
+            tcp = TcpServer(
+                store, server.host, tls, service.auth, idle_timeout_s=server.tcp_idle_timeout_s
+            )
             try:
                 node = dataclasses.replace(node, tcp_address=tcp.start(server.tcp_port))
             except Unavailable as exc:

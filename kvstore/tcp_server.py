@@ -100,6 +100,9 @@ MAX_CONNECTIONS = 512
 # With auth on, a connection's first frame (HELLO) must arrive within this long, else it is
 # closed: an unauthenticated connection holds nothing for longer.
 HELLO_TIMEOUT_S = 10.0
+# A connection with no next frame for this long is closed (server.tcp_idle_timeout_s), so
+# connections kept idle cannot hold the cap; a client opens another when it needs one.
+IDLE_TIMEOUT_S = 120.0
 
 
 class _PeerGone(Exception):
@@ -140,7 +143,12 @@ class TcpServer:
         host: str,
         tls: ServerTls | None = None,
         auth: Authenticator | None = None,
+        *,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
+        if not idle_timeout_s > 0:
+            raise InvalidArgument(f"TCP idle timeout must be positive, got {idle_timeout_s}")
+        self._idle_timeout_s = idle_timeout_s
         self._store = store
         self._host = host
         self._auth = auth if auth is not None else Authenticator(None)
@@ -310,7 +318,11 @@ class TcpServer:
         principal: Principal | None = None
         while True:
             first = principal is None and not self._auth.open  # HELLO comes at once, or never
-            frame, meta = self._frame(conn, HELLO_TIMEOUT_S if first else None)
+            try:
+                frame, meta = self._frame(conn, HELLO_TIMEOUT_S if first else self._idle_timeout_s)
+            except TimeoutError:
+                log.debug("TCP data path: %s idle, closed", conn.name)
+                return
             if principal is None:
                 principal = self._hello(conn, frame.kind, meta)
                 if principal is None:

@@ -320,6 +320,32 @@ def test_connections_beyond_the_cap_are_closed_until_some_end(
     held[0].close()
 
 
+def test_an_idle_connection_is_closed_and_the_transport_goes_on_over_a_new_one(
+    daemon_factory: DaemonFactory,
+) -> None:
+    daemon = daemon_factory(
+        dram="64MiB", ssd=None, settings={**TCP_ON, "server.tcp_idle_timeout_s": "0.3"}
+    )
+    scope = make_scope(layout=SMALL)
+    server = daemon.daemon._tcp
+    assert server is not None
+    with _connect(daemon) as busy, _connect(daemon) as idle:
+        busy.sendall(lookup_frame(scope, []))
+        assert _frame(busy) == (KIND_LOOKUP_HITS, 0, b"")
+        assert _closed(idle)  # no frame within the idle timeout: closed by the daemon
+    assert wait_for(lambda: server.connection_count() == 0, timeout_s=5)
+    transport = TcpTransport(daemon.info.tcp_address)
+    try:
+        transport.open(5)
+        assert wait_for(lambda: server.connection_count() == 0, timeout_s=5)  # kept one closed
+        request = pb.LookupRequest(
+            scope_digest=scope.digest, keys=b"", scope=scope.encode()
+        ).SerializeToString()
+        assert transport.lookup(request, 0, timeout_s=5).hit_count == 0  # over a new one
+    finally:
+        transport.close()
+
+
 def test_a_same_host_put_whose_checksum_the_daemon_computes_is_served_verified_over_tcp(
     daemon_factory: DaemonFactory,
 ) -> None:
