@@ -103,6 +103,7 @@ HELLO_TIMEOUT_S = 10.0
 # A connection with no next frame for this long is closed (server.tcp_idle_timeout_s), so
 # connections kept idle cannot hold the cap; a client opens another when it needs one.
 IDLE_TIMEOUT_S = 120.0
+_ABSENT_ENTRY = encode_manifest([ManifestEntry(b"", 0)])  # a manifest entry of a missing page
 
 
 class _PeerGone(Exception):
@@ -445,6 +446,14 @@ class TcpServer:
             self._send_error(conn, exc)
             return
         try:
+            pages = acq.pages
+            if pages.count(None) == len(pages):  # a miss of every key: the manifest alone
+                absent = _ABSENT_ENTRY * len(pages)
+                conn.send(
+                    (preamble(KIND_MANIFEST, len(pages), len(absent)) + absent,),
+                    self._get_timeout_s,
+                )
+                return
             dram = store.tiers.dram
             entries: list[ManifestEntry] = []
             views: list[memoryview] = []
