@@ -826,12 +826,7 @@ class Store:
                 held[i] = None
                 pinned.remove(keys[i])
                 hit_tiers.remove(_DRAM if _DRAM in hit_tiers else hit_tiers[0])
-            with self._lock:  # a checksum the daemon computed now: the header carries it
-                for i in check:
-                    page = held[i]
-                    entry = index.get(keys[i])
-                    if page is not None and entry is not None and entry.header != page.header:
-                        held[i] = page._replace(header=entry.header)
+            self._refresh_headers(keys, held, check)
         # SSD pages are read straight into DRAM slots taken now (lock free while reading).
         # Whatever goes wrong from here on, every pin and slot taken is given back.
         slots: dict[int, int] = {}
@@ -925,7 +920,34 @@ class Store:
                 for key in pinned:
                     self._unpin(key)
             raise
+        # A page served from a GPU copy may still leave its checksum to the daemon (it went to
+        # the GPU before anything sealed it): sealed now, from the DRAM copy pinned above, so a
+        # remote reader never gets a header that vouches for no bytes.
+        late = [
+            i
+            for i in slow
+            if not same_host and (h := held[i]) is not None and checksum_deferred(h.header)
+        ]
+        if late:
+            try:
+                self._check_same_host_puts([keys[i] for i in late], late)
+            except BaseException:
+                self.release(lease.lease_id)
+                raise
+            self._refresh_headers(keys, held, late)
         return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
+
+    def _refresh_headers(
+        self, keys: Sequence[bytes], held: list[HeldPage | None], indices: Sequence[int]
+    ) -> None:
+        """Give each held page among `indices` its index header (one the daemon has just
+        sealed carries its checksum now). Mutates `held`."""
+        with self._lock:
+            for i in indices:
+                page = held[i]
+                entry = self.index.get(keys[i])
+                if page is not None and entry is not None and entry.header != page.header:
+                    held[i] = page._replace(header=entry.header)
 
     def verify_same_host_puts(self, limit: int = 256) -> int:
         """Check the payload checksums of up to `limit` same-host puts not checked yet (the
