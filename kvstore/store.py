@@ -737,11 +737,34 @@ class Store:
             return
         try:
             if tier is Tier.GPU and self.tiers.gpu is not None:
+                if entry.key in self._unverified and not self._checked_before_gpu(entry):
+                    return
                 self.tiers.move_to_gpu(entry)
             elif self.write_mode is WriteMode.WRITE_THROUGH and self.tiers.ssd is not None:
                 self.mover.write_through(entry.key)
         except StrataError as exc:
             log.warning("page %s stays in DRAM, not placed in %s: %s", entry.key.hex(), tier, exc)
+
+    def _checked_before_gpu(self, entry: PageEntry) -> bool:
+        """Check the writer's checksum of a same-host put about to leave DRAM for the GPU tier
+        (where neither the mover's pass nor a reader's acquire would check it). A bad page is
+        dropped and counted. Lock held; hashes the payload under it (only a same-host writer
+        that sent its checksum and asked for the GPU tier pays this). Returns whether it is
+        good."""
+        assert entry.dram is not None
+        self._unverified.discard(entry.key)
+        want = checked_payload_checksum(entry.header)
+        if payload_checksum(self.tiers.dram.view(entry.dram, entry.payload_bytes)) == want:
+            return True
+        log.warning("same-host put of page %s failed its checksum: dropped", entry.key.hex())
+        with self.counters.lock:
+            self.counters.shm_put_corrupt += 1
+            self.counters.corrupt_dropped += 1
+        self._drop_if_unpinned(entry)
+        if entry.leases:
+            self._corrupt_pinned.add(entry.key)
+            self._doomed.add(entry.key)
+        return False
 
     def abort(self, lease_id: int) -> bool:
         """Cancel a reservation (frees its slots). Mutates. False if unknown or expired (an

@@ -76,3 +76,33 @@ def test_a_remote_reader_of_a_deferred_page_gets_its_checksum_in_any_tier(
     acq = store.acquire(scope.digest, keys, same_host=True)
     store.release(acq.lease_id)
     assert all(h is not None for h in acq.pages)
+
+
+@pytest.mark.parametrize("background_pass", [False, True], ids=["at-once", "after-the-pass"])
+def test_a_same_host_put_with_a_bad_checksum_placed_in_the_gpu_tier_is_never_served(
+    store: Store, background_pass: bool
+) -> None:
+    """A writer that sends its checksum has it checked before any reader gets the page, whatever
+    tier its writer placed it in (the mover's pass must not forget a page it could not check)."""
+    scope = make_scope("ns")
+    pages = chain(scope, 2, seed=5)
+    sent = [p.header.encode() for p in pages]  # checksums sent: the daemon checks them
+    res = store.reserve(scope, sent, same_host=True)
+    for slot, page in zip(res.slots, pages, strict=True):
+        store.tiers.dram.view(slot.offset, slot.length)[:] = page.payload
+    store.tiers.dram.view(res.slots[1].offset, 1)[:] = bytes([page_byte_flipped(pages[1])])
+    store.commit(res.lease_id, Tier.GPU)
+    keys = [p.header.key for p in pages]
+    assert store.index.get(keys[0]).gpu is not None  # type: ignore[union-attr]
+    if background_pass:
+        store.verify_same_host_puts()
+    for same_host in (True, False):
+        acq = store.acquire(scope.digest, keys, same_host=same_host)
+        store.release(acq.lease_id)
+        assert acq.pages[0] is not None
+        assert acq.pages[1] is None, f"a damaged page was served (same_host={same_host})"
+    assert store.stats().active_leases == 0
+
+
+def page_byte_flipped(page: object) -> int:
+    return page.payload[0] ^ 0xFF  # type: ignore[attr-defined, no-any-return]
