@@ -828,8 +828,9 @@ class Store:
                 held[i] = HeldPage(
                     hit, entry.dram, entry.payload_bytes, entry.header, generation(entry.dram)
                 )
-            for _ in range(misses):
-                self._count_miss(Tier.GPU if self.tiers.gpu else Tier.DRAM, through_ssd=True)
+            if misses:  # one counters round for all of them
+                first = Tier.GPU if self.tiers.gpu else Tier.DRAM
+                self._count_miss(first, through_ssd=True, count=misses)
             unverified = self._unverified
             check = [
                 i
@@ -1365,11 +1366,12 @@ class Store:
                     if f < tier:
                         self.counters.misses[f] += 1
 
-    def _count_miss(self, first: Tier, *, through_ssd: bool) -> None:
+    def _count_miss(self, first: Tier, *, through_ssd: bool, count: int = 1) -> None:
+        """`count` misses, in every tier from `first` down (SSD only `through_ssd`)."""
         with self.counters.lock:
             for tier in (Tier.GPU, Tier.DRAM, Tier.SSD):
                 if tier < first:
                     continue
                 if tier is Tier.SSD and (self.tiers.ssd is None or not through_ssd):
                     continue
-                self.counters.misses[tier] += 1
+                self.counters.misses[tier] += count

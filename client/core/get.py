@@ -121,6 +121,9 @@ def _get_shm(
     reply = yield from call(
         "Acquire", request, pb.AcquireResponse, settings.policy, settings.timeout_s
     )
+    missed = _all_missed(reply, len(keys))
+    if missed is not None:  # nothing leased, nothing to copy: no segment check, no release
+        return missed
     yield CheckSegments(reply.lease_id)
     try:
         copied = cast(tuple[Headers, int], (yield CopyOut(reply, scope, keys, into, verify)))
@@ -128,6 +131,16 @@ def _get_shm(
         if reply.lease_id:
             yield Release(reply.lease_id)
     return copied
+
+
+def _all_missed(reply: pb.AcquireResponse, count: int) -> tuple[Headers, int] | None:
+    """Every one of `count` pages a miss (no lease, none present), or None: the reply has
+    pages to copy, or is malformed (then `CopyOut` says how)."""
+    if reply.lease_id or len(reply.pages) != count:
+        return None
+    if any(p.present for p in reply.pages):
+        return None
+    return (None,) * count, 0
 
 
 def _get_bulk(

@@ -577,3 +577,23 @@ def test_a_pipelined_put_whose_second_half_fails_leaves_no_lease(
     monkeypatch.setattr(d.store, "reserve", real_reserve)
     assert shm.put(scope, pages).stored == 32 - len(stored)  # and the store serves on
     assert_intact(shm, scope, pages)
+
+
+def test_a_same_host_get_of_missing_keys_is_a_counted_miss_without_a_lease(
+    clients: Clients, daemon: RunningDaemon, scope: Scope
+) -> None:
+    """The all-miss shortcut of the same-host get (no segment check, no copy, no release):
+    each key is still a miss, counted once in DRAM; a partial hit after it is still served."""
+    pages = chain(scope, 2)
+    clients.shm.put(scope, pages)
+    before = clients.shm.stats().tiers
+    dram_misses = next(t.misses for t in before if t.tier is Tier.DRAM)
+    got = clients.shm.get(scope, [ABSENT, bytes(range(16))], buffers(scope, 2), tokens=None)
+    assert got.headers == (None, None) and got.hit_count == 0
+    after = clients.shm.stats()
+    assert next(t.misses for t in after.tiers if t.tier is Tier.DRAM) == dram_misses + 2
+    assert daemon.store.stats().active_leases == 0
+    into = buffers(scope, 2)
+    partial = clients.shm.get(scope, [pages[0].header.key, ABSENT], into, tokens=None)
+    assert partial.headers == (pages[0].header, None)
+    assert bytes(into[0]) == pages[0].payload
