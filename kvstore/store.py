@@ -831,6 +831,8 @@ class Store:
             if misses:  # one counters round for all of them
                 first = Tier.GPU if self.tiers.gpu else Tier.DRAM
                 self._count_miss(first, through_ssd=True, count=misses)
+            if not pinned:  # nothing present: nothing to check, count as a hit or lease
+                return Acquisition(0, tuple(held), 0)
             unverified = self._unverified
             check = [
                 i
@@ -840,8 +842,6 @@ class Store:
             ]
             if not slow and not check:
                 self._count_hits(hit_tiers)
-                if not pinned:
-                    return Acquisition(0, tuple(held), 0)
                 lease = self.leases.grant(LeaseKind.READ, tuple(pinned), self._ttl_s(lease_ms))
                 return Acquisition(lease.lease_id, tuple(held), self._unix_ms(lease))
         if check:  # same-host puts not checked yet: checked now, before anyone reads them
