@@ -100,6 +100,9 @@ MAX_CONNECTIONS = 512
 # With auth on, a connection's first frame (HELLO) must arrive within this long, else it is
 # closed: an unauthenticated connection holds nothing for longer.
 HELLO_TIMEOUT_S = 10.0
+# With auth on, the most meta a connection's first frame may announce (a HELLO carries a token):
+# a larger one is refused on its preamble, before anything of it is waited for or allocated.
+MAX_HELLO_META_BYTES = 64 << 10
 # A connection with no next frame for this long is closed (server.tcp_idle_timeout_s), so
 # connections kept idle cannot hold the cap; a client opens another when it needs one.
 IDLE_TIMEOUT_S = 120.0
@@ -320,7 +323,10 @@ class TcpServer:
         while True:
             first = principal is None and not self._auth.open  # HELLO comes at once, or never
             try:
-                frame, meta = self._frame(conn, HELLO_TIMEOUT_S if first else self._idle_timeout_s)
+                if first:
+                    frame, meta = self._frame(conn, HELLO_TIMEOUT_S, MAX_HELLO_META_BYTES)
+                else:
+                    frame, meta = self._frame(conn, self._idle_timeout_s)
             except TimeoutError:
                 log.debug("TCP data path: %s idle, closed", conn.name)
                 return
@@ -339,12 +345,16 @@ class TcpServer:
             else:
                 raise ProtocolError(f"unexpected TCP frame kind {frame.kind}")
 
-    def _frame(self, conn: _Conn, timeout_s: float | None) -> tuple[Frame, bytearray]:
+    def _frame(
+        self, conn: _Conn, timeout_s: float | None, max_meta: int = 0
+    ) -> tuple[Frame, bytearray]:
         """The next frame. Its meta is taken a step at a time as it arrives: a header that
-        announces 72 MiB and sends nothing costs one step, not 72 MiB."""
+        announces 72 MiB and sends nothing costs one step, not 72 MiB. `max_meta`: a tighter
+        bound than limits.max_message_bytes (a first frame before HELLO): over it, ProtocolError
+        (the connection ends) on the preamble alone."""
         head = bytearray(PREAMBLE.size)
         conn.recv(memoryview(head), timeout_s)
-        frame = parse_preamble(head, self._max_meta)
+        frame = parse_preamble(head, max_meta or self._max_meta)
         if frame.meta_bytes <= _META_STEP_BYTES:
             meta = bytearray(frame.meta_bytes)
             if frame.meta_bytes:
