@@ -142,7 +142,8 @@ class Lane:
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, "lane closed")
             if self._idle:
                 sock = self._idle.pop()
-                sock.settimeout(timeout)
+                if sock.gettimeout() != timeout:  # settimeout costs an ioctl even when unchanged
+                    sock.settimeout(timeout)
                 return sock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
