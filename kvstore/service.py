@@ -65,6 +65,10 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
 
+# Where a same-host call may come from: the lane, the unix socket, loopback (grpc's peer strings)
+_SAME_HOST_PEERS = ("lane", "unix:", "ipv4:127.", "ipv6:[::1]", "ipv6:[::ffff:127.")
+
+
 @dataclass(frozen=True, slots=True)
 class NodeIdentity:
     node_id: str
@@ -192,14 +196,23 @@ class StoreService(store_pb2_grpc.StoreServicer):
             self.auth.denied(None, "unauthenticated")
             raise
 
-    def _check_local(self, principal: Principal) -> None:
+    def _check_local(self, principal: Principal, context: grpc.ServicerContext) -> None:
         """Reserve and Acquire hand out slots of the shared-memory segment: PermissionDenied
-        (counted) for a principal not trusted with the same-host path. (On the lane the daemon
-        has also checked the caller's user, kvstore/lane.py.)"""
+        (counted) for a principal not trusted with the same-host path, or for a call that did
+        not come over the lane, the daemon's unix socket or loopback (a `trusted_local` token used from
+        another host would commit slots it never wrote and read their old bytes
+        back). (On the lane the daemon has also checked the caller's user, kvstore/lane.py.)"""
         if not principal.trusted_local:
             self.auth.denied(principal, "local_untrusted")
             raise PermissionDenied(
                 f"principal {principal.name!r} may not use the same-host path (trusted_local)"
+            )
+        peer = context.peer()
+        if not peer.startswith(_SAME_HOST_PEERS):
+            self.auth.denied(principal, "local_untrusted")
+            raise PermissionDenied(
+                "the same-host path (Reserve, Acquire) is served only on the lane, the unix "
+                f"socket and loopback, not to {peer}"
             )
 
     def _allow(self, principal: Principal, check: Callable[[str], None], namespace: str) -> None:
@@ -461,7 +474,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.ReserveRequest, context: grpc.ServicerContext
     ) -> store_pb2.ReserveResponse:
         principal = self.principal(context)
-        self._check_local(principal)
+        self._check_local(principal, context)
         scope = self._write_scope(principal, request.scope)
         if len(request.headers) > self.store.config.limits.max_keys_per_call:
             raise InvalidArgument(
@@ -526,7 +539,7 @@ class StoreService(store_pb2_grpc.StoreServicer):
         self, request: store_pb2.AcquireRequest, context: grpc.ServicerContext
     ) -> store_pb2.AcquireResponse:
         principal = self.principal(context)
-        self._check_local(principal)
+        self._check_local(principal, context)
         digest = self._read_digest(principal, request.scope_digest, request.scope)
         io_class = io_class_from_wire(request.io_class)
         acq = self.store.acquire(
