@@ -77,6 +77,7 @@ from client.transports.ucx_protocol import (
     preamble,
 )
 from kvstore.auth import OPEN, Authenticator, Principal
+from kvstore.bulk_manifest import acquired_manifest
 from kvstore.keys import IoClass, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
 from kvstore.tls import TLS_HANDSHAKE_BYTE, ServerTls
@@ -465,18 +466,8 @@ class TcpServer:
                 )
                 return
             dram = store.tiers.dram
-            entries: list[ManifestEntry] = []
-            views: list[memoryview] = []
-            for page in acq.pages:
-                if page is None:
-                    entries.append(ManifestEntry(b"", 0))
-                    continue
-                entries.append(ManifestEntry(page.header, page.length))
-                if page.length:
-                    views.append(dram.view(page.offset, page.length))
-            manifest = encode_manifest(entries)
-            total = sum(v.nbytes for v in views)
-            frame = preamble(KIND_MANIFEST, len(entries), len(manifest))
+            manifest, views, total = acquired_manifest(acq, dram)
+            frame = preamble(KIND_MANIFEST, len(acq.pages), len(manifest))
             if not views:  # nothing to send from DRAM: no admission, no lease to fence
                 conn.send((frame, manifest), self._get_timeout_s)
                 return

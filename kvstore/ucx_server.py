@@ -50,11 +50,9 @@ from client.transports.ucx_protocol import (
     KIND_WELCOME,
     PREAMBLE,
     Frame,
-    ManifestEntry,
     ProtocolError,
     decode_put,
     encode_error,
-    encode_manifest,
     format_address,
     parse_preamble,
     preamble,
@@ -62,6 +60,7 @@ from client.transports.ucx_protocol import (
 )
 from client.transports.ucx_runtime import ucx_runtime
 from kvstore.auth import OPEN, Authenticator, Principal
+from kvstore.bulk_manifest import acquired_manifest
 from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
 from kvstore.store import Reservation, Store
 from kvstore.tls import ServerTls
@@ -312,17 +311,7 @@ class BulkServer:
             return
         try:
             dram = store.tiers.dram
-            entries: list[ManifestEntry] = []
-            views: list[memoryview] = []
-            for page in acq.pages:
-                if page is None:
-                    entries.append(ManifestEntry(b"", 0))
-                    continue
-                entries.append(ManifestEntry(page.header, page.length))
-                if page.length:
-                    views.append(dram.view(page.offset, page.length))
-            manifest = encode_manifest(entries)
-            total = sum(v.nbytes for v in views)
+            manifest, views, total = acquired_manifest(acq, dram)
             admission = store.scheduler.admit(io, total)
             # The read fence of the daemon's own copy: the lease is renewed right after the
             # admission wait (in the same thread: an admitted operation never waits for a pool
@@ -335,7 +324,7 @@ class BulkServer:
                     return
                 await settle(
                     [
-                        ep.send(preamble(KIND_MANIFEST, len(entries), len(manifest))),
+                        ep.send(preamble(KIND_MANIFEST, len(acq.pages), len(manifest))),
                         ep.send(manifest),
                         *(ep.send(v) for v in views),
                     ],

@@ -20,8 +20,8 @@ import pytest
 from conftest import DaemonFactory, RunningDaemon, buffers, keys_of, make_scope, tokens_of
 
 from client import KVLayout, Page, Scope, StoreClient, build_pages
-from client.transports import ucx_transport
 from client.contract.errors import Corrupt, Unavailable
+from client.transports import ucx_transport
 from client.transports.ucx_protocol import (
     KIND_GET,
     KIND_MANIFEST,

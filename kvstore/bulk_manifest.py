@@ -1,0 +1,26 @@
+"""What both bulk servers (kvstore/tcp_server.py, kvstore/ucx_server.py) send for a get: the
+manifest of an acquisition's pages (framing in client/transports/ucx_protocol.py) and the DRAM
+views of the payloads that follow it, in order. Pure over the pinned slots: no I/O here."""
+
+from __future__ import annotations
+
+from client.transports.ucx_protocol import ManifestEntry, encode_manifest
+from kvstore.store import Acquisition
+from kvstore.tiers.dram import DramTier
+
+_ABSENT = ManifestEntry(b"", 0)
+
+
+def acquired_manifest(acq: Acquisition, dram: DramTier) -> tuple[bytes, list[memoryview], int]:
+    """(the manifest's bytes, the payload views to send after it, their total bytes) for the
+    pages `acq` holds pinned in `dram` (a miss is an absent entry and sends nothing)."""
+    entries: list[ManifestEntry] = []
+    views: list[memoryview] = []
+    for page in acq.pages:
+        if page is None:
+            entries.append(_ABSENT)
+            continue
+        entries.append(ManifestEntry(page.header, page.length))
+        if page.length:
+            views.append(dram.view(page.offset, page.length))
+    return encode_manifest(entries), views, sum(v.nbytes for v in views)
