@@ -17,6 +17,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 
 import grpc
 from google.protobuf.message import Message
@@ -227,6 +228,7 @@ class Lane:
         LaneError. Nothing but this reply can arrive on `sock` now, so the frame head and a
         small body come in one read."""
         try:
+            _spin_until_readable(sock)
             status, retry_ms, body = _read_reply(sock)
         except TimeoutError:
             sock.close()
@@ -254,6 +256,33 @@ class Lane:
 
 
 _FIRST_READ = 16 << 10  # a reply this small (a miss, a lookup, most acquires) is one recv
+
+
+# Before it sleeps on a reply, a call polls the socket for up to this long (non-blocking peeks,
+# yielding the CPU between them): most lane replies come within it, and a thread that never
+# sleeps is not woken by the kernel. Measured on the 2-core development machine, a same-host get
+# of one missing page: 174-186 us p50 sleeping at once, 114-119 us with this (interleaved blocks
+# against one daemon); the cost is at most this much CPU a call.
+_SPIN_S = 100e-6
+
+
+def _spin_until_readable(sock: socket.socket) -> None:
+    """Return once `sock` has bytes (or its peer closed), or after `_SPIN_S`."""
+    timeout = sock.gettimeout()
+    deadline = time.perf_counter() + _SPIN_S
+    sock.setblocking(False)
+    try:
+        while True:
+            try:
+                sock.recv(1, socket.MSG_PEEK)  # b"" at EOF: the read that follows says so
+                return
+            except BlockingIOError:
+                pass
+            if time.perf_counter() >= deadline:
+                return
+            os.sched_yield()
+    finally:
+        sock.settimeout(timeout)
 
 
 def _read_reply(sock: socket.socket) -> tuple[int, int, bytes]:

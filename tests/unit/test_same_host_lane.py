@@ -87,3 +87,27 @@ def test_a_peer_that_closes_mid_frame_is_lane_closed(
     daemon.shutdown(socket.SHUT_WR)
     with pytest.raises(LaneClosed):
         _read_reply(client)
+
+
+def test_the_reply_wait_polls_briefly_and_leaves_the_socket_as_it_was() -> None:
+    """`_spin_until_readable`: returns as soon as bytes (or the peer's close) are there, gives up
+    after `_SPIN_S` when none come, consumes nothing, and restores the socket's timeout."""
+    import time
+
+    from client.transports import lane as lane_mod
+
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(3.0)
+        started = time.perf_counter()
+        lane_mod._spin_until_readable(a)  # nothing sent: gives up
+        assert lane_mod._SPIN_S <= time.perf_counter() - started < 1.0
+        assert a.gettimeout() == 3.0
+        b.sendall(b"xyz")
+        lane_mod._spin_until_readable(a)
+        assert a.recv(3) == b"xyz"  # the peek consumed nothing
+        b.close()
+        lane_mod._spin_until_readable(a)  # EOF: returns, the read that follows sees it
+        assert a.recv(1) == b"" and a.gettimeout() == 3.0
+    finally:
+        a.close()
