@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import select
 import socket
 import ssl
@@ -100,6 +101,11 @@ def _remaining(deadline: float) -> float | None:
 # would block waits, in one poll() bounded by the deadline. (A Python socket with a timeout
 # instead polls before every call and takes an ioctl for every change of its timeout.)
 _NOWAIT = socket.MSG_DONTWAIT
+# A client's receive that would block first polls for up to this long (non-blocking tries,
+# yielding the CPU between them) before it sleeps in poll(): a reply that comes within it costs
+# no wake-up by the kernel (the same measure as the lane's, client/transports/lane.py). The
+# daemon's end does not spin (it waits on idle connections).
+CLIENT_SPIN_S = 100e-6
 
 
 def _wait(sock: socket.socket, events: int, deadline: float) -> None:
@@ -111,15 +117,26 @@ def _wait(sock: socket.socket, events: int, deadline: float) -> None:
         raise TimeoutError
 
 
-def recv_some(sock: socket.socket, into: memoryview, deadline: float) -> int:
-    """One receive into `into` (0: the peer closed), waiting at most until `deadline`."""
+def recv_some(
+    sock: socket.socket, into: memoryview, deadline: float, spin_s: float = 0.0
+) -> int:
+    """One receive into `into` (0: the peer closed), waiting at most until `deadline`; with
+    `spin_s`, a receive that would block is retried for that long before it sleeps."""
     if isinstance(sock, ssl.SSLSocket):
         sock.settimeout(_remaining(deadline))
         return sock.recv_into(into)
+    spin_until = 0.0
     while True:
         try:
             return sock.recv_into(into, 0, _NOWAIT)
         except BlockingIOError:
+            if spin_s:
+                now = time.perf_counter()
+                if not spin_until:
+                    spin_until = now + spin_s
+                if now < spin_until:
+                    os.sched_yield()
+                    continue
             _wait(sock, select.POLLIN, deadline)
 
 
@@ -228,10 +245,11 @@ class SocketReader:
     what is left of a large receive goes straight into its buffers (`recv_many`). Bytes read
     ahead stay here for the next receive on the same connection."""
 
-    __slots__ = ("_end", "_sock", "_start", "_view")
+    __slots__ = ("_end", "_sock", "_spin_s", "_start", "_view")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spin_s: float = 0.0) -> None:
         self._sock = sock
+        self._spin_s = spin_s  # see recv_some
         self._view = memoryview(bytearray(READ_AHEAD_BYTES))
         self._start = 0
         self._end = 0
@@ -250,7 +268,7 @@ class SocketReader:
             left = sum(p.nbytes for p in pending)
             if left >= READ_AHEAD_BYTES:
                 return got + recv_many(self._sock, pending, deadline)
-            n = recv_some(self._sock, self._view, deadline)
+            n = recv_some(self._sock, self._view, deadline, self._spin_s)
             if n == 0:
                 return got
             self._start, self._end = 0, n
@@ -330,7 +348,7 @@ class Connection:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = SocketReader(sock)
+        self.reader = SocketReader(sock, CLIENT_SPIN_S)
 
     def idle_ok(self) -> bool:
         """Whether a kept connection is in step: nothing read ahead may be left over. (One the

@@ -33,7 +33,7 @@ from client.transports.tcp_protocol import (
     put_op,
     split_put_pages,
 )
-from client.transports.tcp_transport import SocketReader, send_parts
+from client.transports.tcp_transport import CLIENT_SPIN_S, SocketReader, recv_some, send_parts
 from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -309,3 +309,20 @@ def test_blocking_sockets_bound_every_wait_by_the_deadline() -> None:
     finally:
         for sock in (client, peer, listener):
             sock.close()
+
+
+def test_a_client_receive_polls_briefly_before_it_sleeps_and_keeps_its_deadline() -> None:
+    a, b = socket.socketpair()
+    try:
+        into = memoryview(bytearray(8))
+        started = time.perf_counter()
+        with pytest.raises(TimeoutError):  # nothing comes: the spin, then poll to the deadline
+            recv_some(a, into, time.monotonic() + 0.05, CLIENT_SPIN_S)
+        assert 0.04 < time.perf_counter() - started < 2.0
+        b.sendall(b"abc")
+        assert recv_some(a, into, time.monotonic() + 1.0, CLIENT_SPIN_S) == 3
+        assert bytes(into[:3]) == b"abc"
+        b.close()
+        assert recv_some(a, into, time.monotonic() + 1.0, CLIENT_SPIN_S) == 0  # the peer closed
+    finally:
+        a.close()
