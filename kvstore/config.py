@@ -92,6 +92,10 @@ class ServerConfig:
     # A TCP data connection with no frame for this long is closed (its thread freed; a client
     # opens another when it needs one), so idle connections cannot hold the connection cap.
     tcp_idle_timeout_s: float = 120.0
+    # After answering a call, a TCP data or lane connection's thread polls its socket for the
+    # next request this long (non-blocking tries, yielding the CPU) before it sleeps in the
+    # kernel: a burst of calls pays no wake-up. 0 = sleep at once. At most 1000.
+    reply_poll_us: float = 50.0
     # Without auth.tokens_file the daemon is open (every call allowed): it then listens on
     # loopback only, unless this says that an open daemon on another address is intended.
     allow_open: bool = False
@@ -292,6 +296,8 @@ class StoreConfig:
             raise InvalidArgument("ssd.fault_*_delay_ms must not be negative")
         if not self.server.tcp_idle_timeout_s > 0:
             raise InvalidArgument("server.tcp_idle_timeout_s must be positive")
+        if not 0 <= self.server.reply_poll_us <= 1000:
+            raise InvalidArgument("server.reply_poll_us must be in [0, 1000]")
         if self.server.max_streams < 0 or self.server.max_streams_per_client <= 0:
             raise InvalidArgument(
                 "server.max_streams must be >= 0 and server.max_streams_per_client positive"

@@ -13,6 +13,11 @@ the client claims). Anyone else gets UNAUTHENTICATED or PERMISSION_DENIED and th
 closed; the refusal is counted and logged once per principal. A client of one of
 `auth.local_uids` cannot open the segment file (0600, the daemon's user's), so the HELLO answer
 hands it a descriptor of the segment (SCM_RIGHTS); the daemon's own user opens it by name.
+
+After each answer a connection's thread polls its socket for the next request for up to
+`server.reply_poll_us` (non-blocking tries, yielding the CPU between them) before it sleeps in a
+blocking receive: the next call of a burst costs no wake-up; an idle connection costs nothing
+once the window is over.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
 from google.protobuf.message import Message
 
-from client.contract.errors import Unauthenticated
+from client.contract.errors import InvalidArgument, Unauthenticated
 from client.transports.lane_protocol import (
     HELLO,
     METHOD_IDS,
@@ -54,6 +60,8 @@ _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 # closed: a thread serving an unauthenticated connection is held for no longer.
 HELLO_TIMEOUT_S = 10.0
 _PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
+REPLY_POLL_S = 50e-6  # see the module doc (server.reply_poll_us)
+_NOWAIT = socket.MSG_DONTWAIT
 
 
 class _Abort(Exception):
@@ -104,8 +112,13 @@ class LaneServer:
         auth: Authenticator | None = None,
         local_uids: frozenset[int] = frozenset(),
         segment_fd: int = -1,
+        *,
+        reply_poll_s: float = REPLY_POLL_S,
     ) -> None:
+        if not 0 <= reply_poll_s <= 1e-3:
+            raise InvalidArgument(f"reply poll must be in [0, 1] ms, got {reply_poll_s} s")
         self.path = path
+        self._reply_poll_s = reply_poll_s
         self._service = service
         self._segment_fd = segment_fd  # handed to trusted clients of another user (not owned)
         self._auth = auth if auth is not None else Authenticator(None)
@@ -168,8 +181,11 @@ class LaneServer:
             principal: Principal | None = None
             if not self._auth.open:
                 conn.settimeout(HELLO_TIMEOUT_S)  # HELLO comes at once, or the connection goes
+            head = bytearray(REQUEST.size)
             while True:
-                length, method, flags, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+                # bound connections only: before HELLO the socket may have a timeout
+                poll_s = self._reply_poll_s if principal is not None else 0.0
+                length, method, flags, _ = REQUEST.unpack(next_header(conn, head, poll_s))
                 if length > self._max_frame:
                     log.warning("lane frame of %d bytes exceeds the limit; closing", length)
                     return
@@ -300,6 +316,31 @@ class LaneServer:
             log.exception("lane handler %s failed", METHODS[method][0])
             return grpc.StatusCode.INTERNAL.value[0], 0, f"internal error: {exc}".encode()
         return STATUS_OK, 0, reply.SerializeToString()
+
+
+def next_header(sock: socket.socket, head: bytearray, poll_s: float) -> bytearray:
+    """The next request header, received into `head`: tried without waiting for up to `poll_s`
+    (yielding the CPU between tries), then in a blocking receive. Raises LaneClosed on EOF."""
+    got = 0
+    if poll_s > 0:
+        until = 0.0
+        while True:
+            try:
+                got = sock.recv_into(head, REQUEST.size, _NOWAIT)
+            except BlockingIOError:
+                now = time.perf_counter()
+                if not until:
+                    until = now + poll_s
+                if now < until:
+                    os.sched_yield()
+                    continue
+                break
+            if got == 0:
+                raise LaneClosed("lane closed by peer")
+            break
+    if got < REQUEST.size:
+        head[got:] = recv_exact(sock, REQUEST.size - got)
+    return head
 
 
 def _peer_cred(conn: socket.socket) -> tuple[int, int]:

@@ -198,6 +198,7 @@ class Daemon:
                     service.auth,
                     frozenset(cfg.auth.local_uids),
                     self._segment_fd,
+                    reply_poll_s=cfg.server.reply_poll_us / 1e6,
                 )
                 try:
                     self._lane.start()
@@ -296,7 +297,12 @@ class Daemon:
                     log.warning("the UCX data path at %s is not encrypted", node.ucx_address)
         if server.tcp:
             tcp = TcpServer(
-                store, server.host, tls, service.auth, idle_timeout_s=server.tcp_idle_timeout_s
+                store,
+                server.host,
+                tls,
+                service.auth,
+                idle_timeout_s=server.tcp_idle_timeout_s,
+                reply_poll_s=server.reply_poll_us / 1e6,
             )
             try:
                 node = dataclasses.replace(node, tcp_address=tcp.start(server.tcp_port))

@@ -1,8 +1,10 @@
 """The daemon's end of the TCP data path (operations in client/transports/tcp_protocol.py).
 
 A thread per connection does blocking socket I/O and calls the store directly (its calls are
-thread-safe under its lock): no event loop, no thread-pool hop per call. Each connection is
-served one request at a time:
+thread-safe under its lock): no event loop, no thread-pool hop per call. After each answer the
+thread polls its socket for up to `server.reply_poll_us` (50 us) before it sleeps in the kernel,
+so the next call of a burst costs neither end a wake-up. Each connection is served one request
+at a time:
 
 - GET: acquire the pages, then, admitted by the scheduler and with the lease renewed, send the
   manifest and every present payload straight from its DRAM slot (one `sendmsg` of many
@@ -107,6 +109,11 @@ MAX_HELLO_META_BYTES = 64 << 10
 # A connection with no next frame for this long is closed (server.tcp_idle_timeout_s), so
 # connections kept idle cannot hold the cap; a client opens another when it needs one.
 IDLE_TIMEOUT_S = 120.0
+# After answering, a connection's thread polls for the next frame this long (non-blocking
+# tries, yielding the CPU between them) before it sleeps in poll() (server.reply_poll_us): an
+# engine's calls come in bursts, and a request that arrives within it costs no wake-up on
+# either end. An idle connection costs nothing once it is over.
+REPLY_POLL_S = 50e-6
 _ABSENT_ENTRY = encode_manifest([ManifestEntry(b"", 0)])  # a manifest entry of a missing page
 
 
@@ -119,9 +126,9 @@ class _Conn:
 
     __slots__ = ("name", "reader", "sock")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, poll_s: float = 0.0) -> None:
         self.sock = sock
-        self.reader = SocketReader(sock)
+        self.reader = SocketReader(sock, poll_s)  # a receive that would block polls first
         self.name = f"tcp:{id(self)}"
 
     def send(self, parts: Sequence[bytes | memoryview], timeout_s: float) -> None:
@@ -150,10 +157,14 @@ class TcpServer:
         auth: Authenticator | None = None,
         *,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
+        reply_poll_s: float = REPLY_POLL_S,
     ) -> None:
         if not idle_timeout_s > 0:
             raise InvalidArgument(f"TCP idle timeout must be positive, got {idle_timeout_s}")
+        if not 0 <= reply_poll_s <= 1e-3:
+            raise InvalidArgument(f"reply poll must be in [0, 1] ms, got {reply_poll_s} s")
         self._idle_timeout_s = idle_timeout_s
+        self._reply_poll_s = reply_poll_s
         self._store = store
         self._host = host
         self._auth = auth if auth is not None else Authenticator(None)
@@ -273,7 +284,7 @@ class TcpServer:
             if opened is None:
                 return
             sock = opened
-            self._requests(_Conn(sock))
+            self._requests(_Conn(sock, self._reply_poll_s))
         except ProtocolError as exc:
             log.warning("TCP data path: connection closed: %s", exc)
         except (_PeerGone, OSError, ssl.SSLError, TimeoutError) as exc:

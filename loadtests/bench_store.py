@@ -530,9 +530,16 @@ def main(argv: list[str] | None = None) -> int:
         "--against", choices=[mooncake.NAME], action="append", default=[],
         help="also run the same batches through this store in the same run and print ratios",
     )
+    p.add_argument(
+        "--latency-only", action="store_true",
+        help="only the per-call rows (lookups of a 512-page chain, a missing get): no batch shapes,"
+        " SSD, full-store or UCX runs; each such row gets --iters timed calls",
+    )
     p.add_argument("--dir", type=Path, help="daemon state folder (default: a temporary one)")
     p.add_argument("--json", type=Path, help="write the results here")
     ns = p.parse_args(argv)
+    if ns.latency_only:
+        ns.ssd_pages, ns.full_dram_mib, ns.ucx = 0, 0, False
     shapes = ns.shapes.split(",")
     if unknown := [s for s in shapes if s not in SHAPES]:
         p.error(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
@@ -573,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                 mooncake_rows.mooncake_peers(folder / "mooncake", segment_bytes)
             )
             peers = [("mooncake same-host", local), ("mooncake remote", remote)]
-        for shape in shapes:
+        for shape in [] if ns.latency_only else shapes:
             count, page_bytes = SHAPES[shape]
             print(f"  {count} x {shape} pages, {ns.rounds} rounds ...", flush=True)
             data = ShapeData(shape, count, page_bytes, ns.working_set_mib << 20)
@@ -601,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                 for label, peer in peers
                 for call in lookups.enter_context(mooncake_rows.mooncake_lookup_calls(label, peer))
             ]
-            lookup_k = max(k, -(-50 // ns.rounds))
+            lookup_k = max(k, -(-50 // ns.rounds))  # per-call rows: at least 50 samples
             for _ in range(ns.rounds):
                 for name, batch, fn in calls:
                     samples.time(name, batch, 0, "", fn, range(lookup_k), range(2))
