@@ -5,8 +5,13 @@ Each round sends the same request once by each path, in an order shuffled per ro
 non-streamed and then streamed:
 
 - `direct`: an ideal client of the workers, doing exactly the RPCs the router does (grpc.aio,
-  the client stack the router itself uses): `Prefill` on the prefill worker, then `Decode` on the
-  decode worker from the first token, with a request id, the prompt already as token ids. Its
+  the client stack the router itself uses): `Prefill` on a prefill worker, then `Decode` on a
+  decode worker from the first token, with a request id, the prompt already as token ids. It
+  calls the pair the router placed its latest request on (its `x-strata-prefill` and
+  `x-strata-decode` headers; the first workers before any), so both sides run on the same
+  workers in the same proportions: two workers of one role differ by 1-3 ms on the same request
+  in one run (which cores their threads got), more than the 2 ms target, and a direct client
+  pinned to one of them measured that difference as the router's. Its
   TTFT is the Prefill answer; the streamed sample still runs the Decode to the end (untimed), so
   both paths leave the workers the same work behind them. It leaves out everything the router
   adds: HTTP, JSON, tokenization, the store lookup, the decision, the extra process hop.
@@ -34,7 +39,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,7 +109,8 @@ def _cpu_s(pid: int) -> float | None:
 @dataclass(frozen=True, slots=True)
 class Endpoints:
     """What the measurement talks to: the router (its base URL and, for its CPU time, its pid)
-    and the workers a direct client calls, with the model's name and checkpoint folder."""
+    and the workers a direct client calls until the router placed a request (then it follows the
+    router's placements), with the model's name and checkpoint folder."""
 
     base_url: str
     prefill: str
@@ -133,12 +139,21 @@ async def _measure(
     count = [0]
     samples: dict[str, list[float]] = {f"{p}.{k}": [] for p in PATHS for k in ("full", "ttft")}
     raw = await RawHttp.for_url(base_url).open()
-    async with (
-        httpx.AsyncClient(timeout=120) as http,
-        grpc.aio.insecure_channel(at.prefill) as pch,
-        grpc.aio.insecure_channel(at.decode) as dch,
-    ):
-        pstub, dstub = PrefillStub(pch), DecodeStub(dch)
+    channels: dict[str, grpc.aio.Channel] = {}
+    # the (prefill, decode) pair of the router's latest placement: the direct client's next
+    pair = [at.prefill, at.decode]
+
+    def placed(headers: Mapping[str, str]) -> None:
+        prefill, decode = headers.get("x-strata-prefill"), headers.get("x-strata-decode")
+        if prefill and decode:
+            pair[:] = [prefill, decode]
+
+    def channel(address: str) -> grpc.aio.Channel:
+        if address not in channels:
+            channels[address] = grpc.aio.insecure_channel(address)
+        return channels[address]
+
+    async with httpx.AsyncClient(timeout=120) as http:
 
         def check(got: object) -> None:
             usage = got.get("usage") if isinstance(got, dict) else None
@@ -156,6 +171,7 @@ async def _measure(
             r.raise_for_status()
             took = time.perf_counter() - t0
             check(r.json())
+            placed(r.headers)
             return took
 
         async def httpx_ttft() -> float:
@@ -163,6 +179,7 @@ async def _measure(
             first = 0.0
             async with http.stream("POST", url, json=stream_body) as r:
                 r.raise_for_status()
+                placed(r.headers)
                 async for line in r.aiter_lines():
                     if not first and line.startswith("data: {"):
                         first = time.perf_counter() - t0
@@ -175,6 +192,7 @@ async def _measure(
             if r.status != 200:
                 raise RuntimeError(f"router answered {r.status}: {r.body[:300]!r}")
             check(r.json())
+            placed(r.headers)
             return took
 
         async def raw_ttft() -> float:
@@ -182,11 +200,13 @@ async def _measure(
             r = await raw.post_json("/v1/completions", stream_body)
             if r.status != 200 or r.first_event_s is None:
                 raise RuntimeError(f"router stream answered {r.status}: {r.body[:300]!r}")
+            placed(r.headers)
             return r.first_event_s - t0
 
         async def direct(full: bool) -> float:
             count[0] += 1
             rid = f"bench-direct-{count[0]}"
+            pstub, dstub = PrefillStub(channel(pair[0])), DecodeStub(channel(pair[1]))
             t0 = time.perf_counter()
             reply = await pstub.Prefill(
                 pb.PrefillRequest(request_id=rid, token_ids=ids, sampling=sampling), timeout=120
@@ -233,6 +253,8 @@ async def _measure(
         cpu1, wall1 = _cpu_s(router_pid) if router_pid else None, time.perf_counter()
         load1 = os.getloadavg()
     await raw.close()
+    for ch in channels.values():
+        await ch.close()
     cpu_ms = None
     if cpu0 is not None and cpu1 is not None and idle_cpu_per_s is not None:
         busy = (cpu1 - cpu0) - idle_cpu_per_s * (wall1 - wall0)

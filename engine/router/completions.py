@@ -71,16 +71,20 @@ async def complete(
     authorization: str | None,
     x_api_key: str | None,
     slo_header: str | None,
+    received_at: float = 0.0,
 ) -> Response:
     """One completion from its body's bytes and headers: dispatched, then the SSE stream or the
-    whole answer. Raises RouterError (HttpError) for anything the caller is to be told."""
+    whole answer. `received_at`: when the request arrived, on the dispatcher's clock (0: now).
+    Raises RouterError (HttpError) for anything the caller is to be told."""
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
         body: CompletionRequest | ChatCompletionRequest = model.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_body(exc.errors(include_url=False)) from None
     grant = service.tenancy.authenticate(authorization, x_api_key)
-    prepared = service.prepare(body, slo_header, grant)
+    prepared = service.prepare(
+        body, slo_header, grant, received_at=received_at or service.dispatcher.clock()
+    )
     run = await service.dispatch(prepared)
     name = prepared.job.model.model_id
     headers = placement_headers_of(run)
@@ -122,6 +126,7 @@ class CompletionsFront:
         if chat is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        received_at = self.service.dispatcher.clock()  # its TTFT counts from here
         raw = await _body(receive)
         if raw is None:
             return  # the client went away before its body was in
@@ -138,6 +143,7 @@ class CompletionsFront:
                 authorization=found.get(b"authorization"),
                 x_api_key=found.get(b"x-api-key"),
                 slo_header=found.get(_SLO),
+                received_at=received_at,
             )
         except RouterError as exc:
             self.service.metrics.observe_error(exc.kind.value)

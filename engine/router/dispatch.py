@@ -69,6 +69,8 @@ RETRYABLE = frozenset(
 )
 # The drift log looks at the prediction tracker at most this often (seconds of the clock).
 DRIFT_CHECK_S = 1.0
+# A run's decision and prefill bookkeeping waits for its end, or for this many output tokens.
+DEFERRED_UNTIL_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,9 @@ class Job:
     slo_class: str = ""
     tenant: str = ""
     namespace: str = ""  # the scope namespace its pages live in (from its API key and salt)
+    # when the router received it, on the dispatcher's clock (0: when dispatching starts); its
+    # TTFT, exported and scored against the prediction, counts from here
+    received_at: float = 0.0
 
     @property
     def scope(self) -> Scope:
@@ -159,7 +164,11 @@ class Run:
     split: dict[str, float] = field(default_factory=dict)
     tokens_by_worker: dict[str, int] = field(default_factory=dict)
     view: RequestView | None = None  # what the core placed (a resume is placed from it)
+    # bookkeeping of the decision and the prefill (metrics, /debug/decisions, calibration), run
+    # when the run ends or has DEFERRED_UNTIL_TOKENS tokens: not while the workers compute it
+    deferred: list[Callable[[], object]] = field(default_factory=list)
     _call: Any = None  # the grpc.aio stream call in progress
+    _opened: Any = None  # a Decode call opened with the prefill's answer, not yet read
     _closed: bool = False
 
     def timings(self) -> dict[str, float]:
@@ -226,17 +235,11 @@ class Run:
     async def _decode_once(self) -> AsyncIterator[Token]:
         """One Decode stream on `decode_id` from the tokens so far; ends early on a failure."""
         d, job = self.dispatcher, self.job
-        handle = d.registry.workers.get(self.decode_id)
-        if handle is None:
+        call, self._opened = self._opened, None
+        if call is None:
+            call = self.open_decode(self.produced)
+        if call is None:
             return
-        request = pb.DecodeRequest(
-            request_id=job.request_id,
-            prompt_token_ids=list(job.prompt_ids),
-            output_token_ids=list(self.produced),
-            sampling=job.sampling,
-            namespace=job.namespace,
-        )
-        call = handle.decode_stub().Decode(request, timeout=d.decode_timeout_s)
         self._call = call
         events = call.__aiter__()
         # the first event waits for the worker to pull and recompute; later ones for one step
@@ -316,10 +319,34 @@ class Run:
                     call.cancel()
             self._call = None
 
+    def open_decode(self, produced: list[int]) -> Any:
+        """Start the Decode call on `decode_id` from the tokens `produced` (a grpc.aio call;
+        None when the worker left the registry)."""
+        d, job = self.dispatcher, self.job
+        handle = d.registry.workers.get(self.decode_id)
+        if handle is None:
+            return None
+        request = pb.DecodeRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_ids,
+            output_token_ids=produced,
+            sampling=job.sampling,
+            namespace=job.namespace,
+        )
+        return handle.decode_stub().Decode(request, timeout=d.decode_timeout_s)
+
+    def flush(self) -> None:
+        """Run the deferred bookkeeping (once)."""
+        deferred, self.deferred = self.deferred, []
+        for fn in deferred:
+            fn()
+
     def _accept(self, token: Token) -> None:
         now = self.dispatcher.clock()
         if token.token_id is not None:
             self.produced.append(token.token_id)
+            if len(self.produced) == DEFERRED_UNTIL_TOKENS and self.deferred:
+                self.dispatcher.later(self.flush)
             if not self.first_token_at:
                 self.first_token_at = now
                 self.dispatcher.on_first_token(self, now)
@@ -332,8 +359,10 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        if self._call is not None and not self._call.done():
-            self._call.cancel()
+        for call in (self._call, self._opened):
+            if call is not None and not call.done():
+                call.cancel()
+        self._opened = None
         self.dispatcher.on_finish(self)
 
 
@@ -384,7 +413,7 @@ class Dispatcher:
     async def start(self, job: Job) -> Run:
         """Decide and prefill. Raises HttpError for a refusal, a bad request, or when every
         prefill attempt failed."""
-        started = self.clock()
+        started = job.received_at or self.clock()
         model = job.model
         hit = await self.lookup.find(job.scope, job.prompt_ids)
         view = RequestView(
@@ -405,7 +434,7 @@ class Dispatcher:
             workers = tuple(
                 w for w in self.registry.views(model.model_id, now) if w.worker_id not in excluded
             )
-            decision = self.core.decide(view, workers, now, self.rng)
+            decision = self.core.decide(view, workers, now, self.rng, received_at=started)
             decide_s = self.clock() - now
             if isinstance(decision, Refusal):
                 self._record(job, hit, decision, decide_s)
@@ -414,17 +443,14 @@ class Dispatcher:
             run = Run(job, placement, self, started, placement.prefill_id, placement.decode_id)
             run.view = view
             if placement.colocated:
-                self._record(job, hit, decision, decide_s)
+                run.deferred.append(functools.partial(self._record, job, hit, decision, decide_s))
                 self.in_flight[job.request_id] = run
                 return run
             sent = self.clock()
             try:
-                call = self._prefill(placement.prefill_id, job, placement.predicted_ttft_s)
-                # the explanation and the metrics of the decision are written while the
-                # prefill is on its way (the call's task was scheduled first)
-                asyncio.get_running_loop().call_soon(self._record, job, hit, decision, decide_s)
-                reply = await call
+                reply = await self._prefill(placement.prefill_id, job, placement.predicted_ttft_s)
             except grpc.aio.AioRpcError as exc:
+                self._record(job, hit, decision, decide_s)
                 self.core.on_failed(job.request_id, self.clock())
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise HttpError(ErrorKind.invalid_request, exc.details() or "invalid") from None
@@ -440,10 +466,18 @@ class Dispatcher:
                     self.metrics.observe_retry("prefill", exc.code().name.lower())
                 log.info("request %s: %s; trying another worker", job.request_id, last_error)
                 continue
-            # metrics and calibration after the first token is on its way (next loop turn)
             done = self.clock()
-            asyncio.get_running_loop().call_soon(
-                self._observe_prefill, placement.prefill_id, job, hit, reply, done - sent, done
+            if not reply.finish_reason:
+                # the decode worker starts pulling while the first token goes out
+                run._opened = run.open_decode([reply.first_token])
+            # the decision's and the prefill's metrics, the explanation and the calibration
+            # wait for the run's end (or its DEFERRED_UNTIL_TOKENS tokens): the router's CPU
+            # stays off the cores the decode worker's threads are computing on
+            run.deferred += (
+                functools.partial(self._record, job, hit, decision, decide_s),
+                functools.partial(
+                    self._observe_prefill, placement.prefill_id, job, hit, reply, done - sent, done
+                ),
             )
             hit_tokens = reply.hit_tokens
             run.queue_s = reply.timings.queue_s
@@ -506,7 +540,7 @@ class Dispatcher:
             return
         calibration = self.core.calibration
         assert calibration is not None
-        far = not 2 / 3 <= calibration.scale <= 1.5
+        far = calibration.drifted
         if far != self._calibration_far:
             self._calibration_far = far
             log.log(
@@ -675,6 +709,8 @@ class Dispatcher:
         now = self.clock()
         for hook in self.on_done:
             hook(run)
+        if run.deferred:
+            self.later(run.flush)
         if run.finish_reason in ("stop", "length"):
             outcome = "ok"
             self.core.on_finish(run.job.request_id, now, len(run.produced))

@@ -84,6 +84,17 @@ class ErrorTracker(Protocol):
     def drifted(self, kind: str) -> bool: ...
 
 
+class SpeedCalibration(Protocol):
+    """What a scrape reads of the core's `PrefillCalibration`."""
+
+    @property
+    def scale(self) -> float: ...
+    @property
+    def samples(self) -> int: ...
+    @property
+    def drifted(self) -> bool: ...
+
+
 class TierTokenCounts(Protocol):
     """engine.proto `TierTokens` (or engine.requests.TierTokens)."""
 
@@ -207,6 +218,7 @@ class RouterMetrics:
         batch_sample_interval_s: float = 1.0,
         tracker: ErrorTracker | None = None,
         clock: Callable[[], float] = time.monotonic,
+        calibration: SpeedCalibration | None = None,
     ) -> None:
         if utilization_window_s <= 0:
             raise ValueError(f"utilization_window_s must be > 0, got {utilization_window_s}")
@@ -219,6 +231,7 @@ class RouterMetrics:
         self._window_s = utilization_window_s
         self._batch_interval_s = batch_sample_interval_s
         self._tracker = tracker
+        self._calibration = calibration
         self._clock = clock
         self._lock = threading.Lock()
         # labelled children by (family, label values): a request's ~20 observations look
@@ -677,21 +690,35 @@ class RouterMetrics:
 
         median = GaugeMetricFamily(
             "strata_router_prediction_median_relative_error",
-            "Median (predicted - observed) / observed over the tracker's recent requests",
+            "Median (predicted - observed) / observed over the tracker's recent requests: the "
+            "predictions the router made (and sent in x-strata-predicted-*), TTFT observed from "
+            "its receipt of the request",
             labels=["kind"],
         )
         drift = GaugeMetricFamily(
             "strata_router_profile_drift",
-            "1 when the time model's recent predictions have drifted past the threshold",
+            "1 when the time model's recent predictions have drifted past the threshold, or "
+            "(ttft) the workers' live prefill speed has left the profile's",
             labels=["kind"],
         )
+        cal = self._calibration
+        speed_drifted = cal is not None and cal.drifted
         if self._tracker is not None:
             for kind in ("ttft", "tpot"):
                 if self._tracker.count(kind) > 0:
                     median.add_metric([kind], self._tracker.median_relative_error(kind))
-                drift.add_metric([kind], 1.0 if self._tracker.drifted(kind) else 0.0)
+                drifted = self._tracker.drifted(kind) or (kind == "ttft" and speed_drifted)
+                drift.add_metric([kind], 1.0 if drifted else 0.0)
         yield median
         yield drift
+        if cal is not None:
+            scale = GaugeMetricFamily(
+                "strata_router_prefill_speed_scale",
+                "Live prefill seconds per second the profile predicts (median of the workers' "
+                "recent prefills; 1 until enough were seen): predictions follow it",
+            )
+            scale.add_metric([], cal.scale)
+            yield scale
 
 
 def _decode_utilization(s: _LoadSnapshot) -> float:

@@ -74,7 +74,7 @@ class RouterService:
             # the workers' live prefill speed
             calibration=PrefillCalibration(time_model) if config.calibrate else None,
         )
-        self.metrics = RouterMetrics(tracker=self.tracker)
+        self.metrics = RouterMetrics(tracker=self.tracker, calibration=self.core.calibration)
         self.metrics.set_slo_classes(config.admission.classes)
         self.dispatcher = Dispatcher(
             self.registry,
@@ -152,10 +152,13 @@ class RouterService:
         req: CompletionRequest | ChatCompletionRequest,
         slo_header: str | None,
         grant: Grant | None = None,
+        *,
+        received_at: float = 0.0,
     ) -> Prepared:
         """Model, class, prompt tokens and sampling of a request, checked against the caller's
         key (`grant`: its class allowed, its limits charged, its namespace); HttpError for a bad
-        one."""
+        one. `received_at`: when its bytes started to arrive, on the dispatcher's clock (0: when
+        it is dispatched); its TTFT is measured and scored from there."""
         model = self.model(req.model)
         slo = self.slo_class(slo_header, req.slo_class)
         if isinstance(req, ChatCompletionRequest):
@@ -222,6 +225,7 @@ class RouterService:
             slo,
             tenant=caller.tenant,
             namespace=caller.namespace,
+            received_at=received_at,
         )
         return Prepared(job, request_id, int(time.time()), caller)
 

@@ -86,6 +86,9 @@ def test_the_core_prices_with_the_calibrated_model() -> None:
     after = core.decide(request, workers, 1.0, random.Random(0))
     assert before.predicted_ttft_s == pytest.approx(MODEL.prefill_s(1000, 0))  # type: ignore[union-attr]
     assert after.predicted_ttft_s == pytest.approx(2 * MODEL.prefill_s(1000, 0))  # type: ignore[union-attr]
-    # the tracker scores the profile's own prediction: half the observed time, -50%
+    # the tracker scores the prediction the caller is told (the calibrated one): on time, 0%;
+    # the profile's drift shows in the calibration instead (twice as slow: drifted)
     error = core.on_first_token("r", 1.0 + 2 * MODEL.prefill_s(1000, 0))
-    assert error == pytest.approx(-0.5)
+    assert error == pytest.approx(0.0)
+    assert core.calibration is not None and core.calibration.drifted
+    assert not PrefillCalibration(MODEL).drifted  # 1.0 until it has samples

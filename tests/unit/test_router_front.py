@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -56,6 +57,8 @@ class Tenancy:
 class Service:
     tenancy: Tenancy
     metrics: Metrics = field(default_factory=Metrics)
+    # the front stamps a request's receipt on the dispatcher's clock
+    dispatcher: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(clock=lambda: 1.0))
 
 
 @dataclass

@@ -8,8 +8,9 @@ compute + sample) for how many computed tokens after how many cached ones; the c
 keeps the ratio observed / profiled of the latest `window` of them and, once it has
 `min_samples`, prices prefills with the profile's coefficients times their median (clipped to
 `bounds`). The profile's shape (fixed, per token, attention) is kept; only its speed follows the
-machine. `scale` is exported (and logged by the shell when far from 1), so a profile that has
-drifted stays visible even though predictions follow it.
+machine. `scale` is exported (`strata_router_prefill_speed_scale`; `drifted` when it leaves
+DRIFT_BOUNDS, which the shell logs and exports as `strata_router_profile_drift`), so a profile
+that has drifted stays visible even though predictions follow it.
 
 Pure: no clock, no I/O; samples come in as arguments.
 """
@@ -21,6 +22,9 @@ from collections import deque
 from dataclasses import replace
 
 from engine.router.core.timemodel import PrefillCoeffs, TimeModel
+
+# A live speed outside these times the profile's: the profile has drifted (measure it again).
+DRIFT_BOUNDS = (2 / 3, 1.5)
 
 
 class PrefillCalibration:
@@ -55,6 +59,12 @@ class PrefillCalibration:
     def scale(self) -> float:
         """Live prefill seconds per profiled second (1.0 until `min_samples` were observed)."""
         return self._scale
+
+    @property
+    def drifted(self) -> bool:
+        """True when the live prefill speed is outside DRIFT_BOUNDS times the profile's."""
+        low, high = DRIFT_BOUNDS
+        return not low <= self._scale <= high
 
     @property
     def model(self) -> TimeModel:

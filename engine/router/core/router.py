@@ -7,11 +7,13 @@
         if admitted: ledger.reserve(...); admission.on_dispatch(...)
 
 `observe_prefill` feeds a worker's own prefill timing to the live calibration (when the core
-has one: prefills are then priced at the speed the workers show; the tracker still scores the
-profile's own TTFT prediction, so a drifted profile shows in its error). `resume` places the rest of
+has one: prefills are then priced at the speed the workers show, and a drifted profile shows in
+the calibration's `scale`, not in the predictions). `resume` places the rest of
 a decode whose worker died (`place_resume`: decode-only, priced, explained) and moves its ledger and admission records there; and the events the caller feeds
 back as the request runs: `on_first_token` (the prefill is done:
-the ledger moves it to decode, the TTFT prediction is scored), `on_finish` (the TPOT prediction is
+the ledger moves it to decode, the TTFT prediction is scored: the `Placement`'s own, the one the
+caller is told, against the time from the request's receipt, `decide(received_at=...)`, to its
+first token), `on_finish` (the TPOT prediction is
 scored, every record released) and `on_failed` (released, nothing scored). `explain` turns a
 decision into a plain dict for a debug log or the `x-strata-*` headers.
 
@@ -37,7 +39,7 @@ from engine.router.core.types import Decision, Placement, Refusal, RequestView, 
 
 @dataclass(frozen=True, slots=True)
 class _Open:
-    dispatched_at_s: float
+    received_at_s: float  # the TTFT is scored from here
     predicted_ttft_s: float
     predicted_tpot_s: float
     first_token_at_s: float | None = None
@@ -68,8 +70,12 @@ class RouterCore:
         workers: Sequence[WorkerView],
         now: float,
         rng: random.Random,
+        *,
+        received_at: float | None = None,
     ) -> Decision:
         """Place and admit `request`; an admitted one is counted as load from `now` on.
+        `received_at` (default `now`): when the caller received the request, on the same clock;
+        its TTFT is scored from there, as its client sees it (lookup and decision included).
 
         Raises UnknownSloClass for a class the configuration lacks (an invalid request)."""
         views = self.ledger.apply(workers, now)
@@ -81,21 +87,11 @@ class RouterCore:
             self.ledger.reserve(request, decision, now)
             self.admission.on_dispatch(request, decision, now)
             self._open[request.request_id] = _Open(
-                now, self._profiled_ttft_s(decision), decision.predicted_tpot_s
+                now if received_at is None else min(received_at, now),
+                decision.predicted_ttft_s,
+                decision.predicted_tpot_s,
             )
         return decision
-
-    def _profiled_ttft_s(self, decision: Placement) -> float:
-        """The TTFT the profile itself predicts for `decision`, which the tracker scores (so a
-        drifted profile stays visible in its error while decisions follow the calibration):
-        the winner's queue and compute without the live scale, its pull as priced."""
-        cal = self.calibration
-        if cal is None or cal.scale == 1.0 or not decision.candidates:
-            return decision.predicted_ttft_s
-        won = decision.candidates[0]
-        if (won.prefill_id, won.decode_id) != (decision.prefill_id, decision.decode_id):
-            return decision.predicted_ttft_s
-        return won.pull_s + (won.queue_s + won.compute_s) / cal.scale
 
     def resume(
         self,
@@ -139,9 +135,9 @@ class RouterCore:
         if entry is None or entry.first_token_at_s is not None:
             return None
         self._open[request_id] = _Open(
-            entry.dispatched_at_s, entry.predicted_ttft_s, entry.predicted_tpot_s, now
+            entry.received_at_s, entry.predicted_ttft_s, entry.predicted_tpot_s, now
         )
-        return self.tracker.record("ttft", entry.predicted_ttft_s, now - entry.dispatched_at_s, now)
+        return self.tracker.record("ttft", entry.predicted_ttft_s, now - entry.received_at_s, now)
 
     def on_finish(self, request_id: str, now: float, output_tokens: int) -> float | None:
         """The request completed with `output_tokens` tokens; scores TPOT (needs >= 2 tokens)."""
