@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -28,6 +28,7 @@ from client.contract.errors import (
 )
 from client.contract.page import PageHeader
 from client.contract.scope import KEY_BYTES, Scope, unpack_keys
+from client.core.frames import varint
 from client.transports._wire import (
     TAG_GET_CHUNK,
     TAG_PUT_CHUNK,
@@ -353,9 +354,11 @@ class StoreService(store_pb2_grpc.StoreServicer):
         digest = self._read_digest(principal, request.scope_digest, request.scope)
         # packed keys in, one byte a hit out (Store.lookup checks the field and the key limit)
         codes = self.store.lookup(digest, request.keys).codes
-        # the codes are the proto's Tier values (kvstore/keys.py): assigned as they are
-        tiers = cast("list[store_pb2.Tier.ValueType]", list(codes))
-        return store_pb2.LookupResponse(hit_count=len(codes), tiers=tiers)
+        # The codes are the proto's Tier values (kvstore/keys.py), each under 0x80: one byte of
+        # a packed repeated field each. The reply is parsed from that wire form (in C), which
+        # costs a tenth of setting 512 enum values one by one.
+        n = varint(len(codes))
+        return store_pb2.LookupResponse.FromString(b"\x08" + n + b"\x12" + n + codes)
 
     # ---- remote data path -------------------------------------------------------------------
 

@@ -77,8 +77,12 @@ def lookup_from_proto(msg: pb.LookupResponse, asked: int) -> LookupResult:
         raise malformed(
             f"lookup of {asked} keys answered {msg.hit_count} hits with {len(msg.tiers)} tiers"
         )
+    codes = msg.tiers[:]  # one copy out of the message: its own iteration is slower
     try:
-        tiers = tuple(map(_TIER_BY_VALUE.__getitem__, msg.tiers))
+        if codes and codes.count(codes[0]) == len(codes):  # a chain in one tier: no step a page
+            tiers = (_TIER_BY_VALUE[codes[0]],) * len(codes)
+        else:
+            tiers = tuple(map(_TIER_BY_VALUE.__getitem__, codes))
     except KeyError as exc:
         raise malformed(f"unknown tier {exc.args[0]}") from None
     return LookupResult(hit_count=msg.hit_count, tiers=tiers)

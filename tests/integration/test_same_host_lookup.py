@@ -36,6 +36,9 @@ def test_a_lookup_answers_the_present_prefix_with_each_pages_fastest_tier(
         assert (got.hit_count, got.tiers) == (10, want)
     assert d.store.lookup(scope.digest, keys).tiers == want  # a list of keys
     assert d.store.lookup(scope.digest, b"".join(keys)).codes == bytes(int(t) for t in want)
+    # the reply message (built from its wire form) is the one the generated class builds
+    reply = d.stub().Lookup(pb.LookupRequest(scope_digest=scope.digest, keys=b"".join(keys)))
+    assert reply == pb.LookupResponse(hit_count=10, tiers=[int(t) for t in want])
     # another scope's digest, a short key, an absent first key: the prefix ends there
     assert d.store.lookup(make_scope("other").digest, keys).hit_count == 0
     assert d.store.lookup(scope.digest, [*keys[:4], b"short", *keys[5:]]).hit_count == 4
