@@ -65,6 +65,7 @@ from client.core.steps import (
     Step,
     StreamGet,
     StreamPut,
+    Together,
 )
 from client.shell import ClientShell, Transport
 from client.transports._wire import (
@@ -122,7 +123,9 @@ class _Connection:
 
 class AsyncStoreClient(ClientShell):
     """asyncio client of one store daemon at `address`; see `StoreClient` for the arguments
-    (`shared_memory`, `ucx`, `tcp`, `tls`, `token`: the same modes, the same errors).
+    (`shared_memory`, `ucx`, `tcp`, `tls`, `token`, `tcp_stripes`, `tcp_stripe_min_bytes`:
+    the same modes, the same errors). A striped batch's parts are concurrent tasks on this
+    loop, each on a TCP connection of its own.
 
     Use it from one event loop: the channel is made, lazily, in the loop of the first call.
     """
@@ -321,7 +324,24 @@ class AsyncStoreClient(ClientShell):
                 return await self._bulk_put(conn, step)
             case BulkLookup():
                 return await self._bulk_lookup(conn, step)
+            case Together(steps=steps):
+                return await self._together(stub, conn, steps)
         raise AssertionError(f"unknown step {step!r}")
+
+    async def _together(
+        self, stub: StoreAsyncStub, conn: _Connection, steps: Sequence[Step]
+    ) -> object:
+        """Take `steps` at once, as tasks on this loop (each takes a connection of its own):
+        each one's outcome or typed error, in order. The loop copies one stripe's bytes at a
+        time, the daemon serves the stripes in parallel."""
+
+        async def one(step: Step) -> object:
+            try:
+                return await self._take(stub, conn, step)
+            except Exception as exc:
+                return typed_error(exc)
+
+        return tuple(await asyncio.gather(*(one(s) for s in steps)))
 
     async def _stream_get(self, conn: _Connection, step: StreamGet) -> None:
         tune_malloc()

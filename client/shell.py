@@ -17,6 +17,7 @@ from client.contract.errors import InvalidArgument
 from client.contract.types import IoClass, NodeInfo
 from client.core.retry import RetryPolicy
 from client.core.route import Route, Settings
+from client.core.stripes import resolve_striping
 from client.transports._wire import DEFAULT_MAX_MESSAGE_BYTES, auth_metadata, resolve_token
 from client.transports.shm import SegmentMap
 from client.transports.tls import TlsOptions, resolve_tls
@@ -51,6 +52,8 @@ class ClientShell:
         tcp: bool | None = None,
         tls: TlsOptions | bool | None = None,
         token: str | None = None,
+        tcp_stripes: int | None = None,
+        tcp_stripe_min_bytes: int | None = None,
     ) -> None:
         if timeout_s <= 0 or retries < 0 or max_message_bytes <= 0:
             raise InvalidArgument("timeout_s and max_message_bytes must be > 0, retries >= 0")
@@ -58,7 +61,11 @@ class ClientShell:
         self._shared_memory = shared_memory
         self._timeout_s = timeout_s
         self._settings = Settings(
-            timeout_s, RetryPolicy(retries), IoClass(io_class), max_message_bytes
+            timeout_s,
+            RetryPolicy(retries),
+            IoClass(io_class),
+            max_message_bytes,
+            resolve_striping(tcp_stripes, tcp_stripe_min_bytes),
         )
         self._max_message_bytes = max_message_bytes
         self._tls = resolve_tls(tls)
@@ -86,14 +93,15 @@ class ClientShell:
             max_page_bytes=conn.node.limits.max_page_bytes,
         )
 
-    @staticmethod
-    def _route_of(conn: Connection, bulk: UcxTransport | None, *, pipelined: bool) -> Route:
+    def _route_of(self, conn: Connection, bulk: UcxTransport | None, *, pipelined: bool) -> Route:
         """What `conn` offers a call, with `bulk` its open bulk transport (None: none)."""
+        tcp = bulk is not None and bulk.tcp is not None
         return Route(
             limits=conn.node.limits,
             same_host=bool(conn.maps),
             bulk=bulk is not None,
-            bulk_lookups=bulk is not None and bulk.tcp is not None,
+            bulk_lookups=tcp,
+            bulk_stripes=tcp and self._settings.striping.stripes > 1,
             pipelined=pipelined,
         )
 

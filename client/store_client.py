@@ -27,13 +27,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, cast
 
 import grpc
 
-from client.contract.errors import StrataError, Unavailable
+from client.contract.errors import DeadlineExceeded, StrataError, Unavailable
 from client.contract.scope import Scope
 from client.contract.types import (
     Event,
@@ -76,6 +76,7 @@ from client.core.steps import (
     Step,
     StreamGet,
     StreamPut,
+    Together,
 )
 from client.shell import ClientShell, Transport
 from client.transports._wire import (
@@ -99,6 +100,7 @@ from client.transports.shm import (
     segments_current,
     write_reserved,
 )
+from client.transports.stripe_workers import StripeWorkers
 from client.transports.tls import open_channel
 from client.transports.ucx_transport import TransportFailed
 from kvstore_pb import store_pb2 as pb
@@ -108,6 +110,7 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 _LOCAL_PROBE_S = 2.0
+_STRIPE_GRACE_S = 5.0  # how long past its deadline a stripe is waited for (it ends by then)
 
 
 class _Pending(Protocol):
@@ -165,6 +168,12 @@ class StoreClient(ClientShell):
     environment says), sent on every call. A call the principal may not make raises
     PermissionDenied, a missing or unknown token Unauthenticated. Every read carries its
     scope's canonical encoding, which such a daemon checks against the token.
+
+    `tcp_stripes`, `tcp_stripe_min_bytes` (TCP data path only): a put or get batch whose
+    payloads reach `tcp_stripe_min_bytes` goes as `tcp_stripes` contiguous parts at once, each
+    on a connection of its own (client/core/stripes.py); the caller's thread sends one, a few
+    daemon threads of this client the others. 1 = never. None: $STRATA_STORE_TCP_STRIPES and
+    $STRATA_STORE_TCP_STRIPE_BYTES, else 2 from 8 MiB (docs/configuration.md).
     """
 
     def _init_io_state(self) -> None:
@@ -174,6 +183,7 @@ class StoreClient(ClientShell):
         self._lane_refused = False  # said once in the log
         self._releases: list[grpc.Future[pb.ReleaseResponse]] = []
         self._counter_lock = threading.Lock()
+        self._workers: StripeWorkers | None = None  # started by the first striped call
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -215,6 +225,10 @@ class StoreClient(ClientShell):
         self._ucx.close()
         if conn is not None:
             conn.close()
+        with self._counter_lock:
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
 
     def __enter__(self) -> StoreClient:
         return self
@@ -404,7 +418,39 @@ class StoreClient(ClientShell):
                 return self._bulk_put(conn, step)
             case BulkLookup():
                 return self._bulk_lookup(conn, step)
+            case Together(steps=steps):
+                return self._together(stub, conn, steps)
         raise AssertionError(f"unknown step {step!r}")
+
+    def _together(self, stub: StoreStub, conn: _Connection, steps: Sequence[Step]) -> object:
+        """Take `steps` at once (this thread one, the stripe workers the others); each one's
+        outcome or typed error, in order."""
+
+        def one(step: Step) -> Callable[[], object]:
+            def take() -> object:
+                try:
+                    return self._take(stub, conn, step)
+                except Exception as exc:
+                    return typed_error(exc)
+
+            return take
+
+        wait_s = max(getattr(s, "timeout_s", 0.0) for s in steps) + _STRIPE_GRACE_S
+        try:
+            return tuple(self._stripe_workers().run_all([one(s) for s in steps], wait_s))
+        except TimeoutError:
+            raise DeadlineExceeded("a TCP stripe did not end within its deadline") from None
+
+    def _stripe_workers(self) -> StripeWorkers:
+        with self._counter_lock:
+            if self._workers is None:
+                size = self._settings.striping.stripes - 1
+                workers = StripeWorkers("strata-tcp-stripe", size)
+                if self._closed:  # a call that raced close(): its stripes run in this thread
+                    workers.close()
+                    return workers
+                self._workers = workers
+            return self._workers
 
     def _stream_get(self, conn: _Connection, step: StreamGet) -> None:
         tune_malloc()

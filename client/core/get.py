@@ -4,7 +4,10 @@ batched by the node's limit, each checked against the key, scope and token ids a
 Pure: yields steps (client/core/steps.py). Same host: Acquire, then the copy out of the leased
 slots, then the lease released in the background (the get pays one round trip). Bulk (UCX or
 TCP): one transfer straight into the buffers; should the path itself fail, this batch and the
-rest go over gRPC. gRPC: one Get stream per batch, reassembled and verified as it arrives.
+rest go over gRPC. A large batch on the TCP path goes as stripes (client/core/stripes.py): one
+Get of each contiguous part, all at once on connections of their own (`Together`); a stripe
+whose transfer failed is fetched over gRPC, the others are kept. gRPC: one Get stream per
+batch, reassembled and verified as it arrives.
 A page dropped by verification is a miss, reported in one `Dropped` step.
 """
 
@@ -42,7 +45,9 @@ from client.core.steps import (
     Plan,
     Release,
     StreamGet,
+    Together,
 )
+from client.core.stripes import first_failure, stripe_ranges
 from kvstore_pb import store_pb2 as pb
 
 Headers = tuple[PageHeader | bytes | None, ...]
@@ -70,6 +75,7 @@ def get(
     io = settings.io(io_class)
     check = verifies(route, verify)
     path = get_path(route)
+    page_bytes = scope.page_payload_bytes
     headers: list[PageHeader | bytes | None] = []
     corrupt = 0
     for r in batch_ranges(len(keys), route.limits.max_keys_per_call):
@@ -81,9 +87,19 @@ def get(
         if path == "shm":
             part = yield from _get_shm(*batch)
         elif path == "bulk":
-            part = yield from _get_bulk(*batch)
-            if part is None:
-                path = "grpc"
+            stripes = (
+                stripe_ranges([page_bytes] * len(r), settings.striping)
+                if route.bulk_stripes
+                else None
+            )
+            if stripes is not None:
+                part, failed = yield from _get_striped(*batch, stripes, r.start)
+                if failed:
+                    path = "grpc"
+            else:
+                part = yield from _get_bulk(*batch)
+                if part is None:
+                    path = "grpc"
         if part is None:
             part = yield from _get_grpc(*batch)
         headers.extend(part[0])
@@ -157,6 +173,58 @@ def _get_bulk(
     if got is BULK_FAILED:
         return None
     return cast(tuple[Headers, int], got)
+
+
+def _get_striped(
+    scope: Scope,
+    keys: Sequence[bytes],
+    packed: bytes,
+    into: Sequence[memoryview],
+    io: IoClass,
+    verify: bool,
+    settings: Settings,
+    stripes: Sequence[range],
+    offset: int,
+) -> Plan[tuple[tuple[Headers, int], bool]]:
+    """One batch as `stripes` (ranges of it) fetched at once; the merged part, and whether the
+    bulk path failed under a stripe (that stripe then came over gRPC). The first typed error
+    of a stripe is raised once all have ended. `offset`: the batch's first page in the call."""
+    steps = tuple(
+        BulkGet(
+            _request(
+                scope, packed[r.start * KEY_BYTES : r.stop * KEY_BYTES], io
+            ).SerializeToString(),
+            scope.digest,
+            keys[r.start : r.stop],
+            into[r.start : r.stop],
+            verify,
+            settings.timeout_s,
+        )
+        for r in stripes
+    )
+    outcomes = cast(tuple[object, ...], (yield Together(steps)))
+    error = first_failure(outcomes, [range(offset + r.start, offset + r.stop) for r in stripes])
+    if error is not None:
+        raise error
+    headers: list[PageHeader | bytes | None] = []
+    corrupt, failed = 0, False
+    for r, got in zip(stripes, outcomes, strict=True):
+        if got is BULK_FAILED:
+            failed = True
+            span = slice(r.start, r.stop)
+            got = yield from _get_grpc(
+                scope,
+                keys[span],
+                packed[r.start * KEY_BYTES : r.stop * KEY_BYTES],
+                into[span],
+                io,
+                verify,
+                settings,
+            )
+        part = cast(tuple[Headers, int], got)
+        headers.extend(part[0])
+        corrupt += part[1]
+    return (tuple(headers), corrupt), failed
 
 
 def _get_grpc(

@@ -5,7 +5,11 @@ Pure: yields steps (client/core/steps.py). Same host: Reserve, the copy into the
 slots, Commit; a reservation not committed is released. A put of at least `PIPELINE_MIN_PAGES`
 goes, where the shell can keep two calls in flight, as two halves overlapped (the daemon
 reserves, then commits, one half while the other is copied). Bulk (UCX or TCP): one transfer;
-should the path itself fail, this batch and the rest go over gRPC. gRPC: one Put stream per
+should the path itself fail, this batch and the rest go over gRPC. A large batch on the TCP path
+goes as stripes (client/core/stripes.py): one put of each contiguous part, all at once on
+connections of their own (`Together`), each carrying the chain prefix that vouches for its
+first page's parents should it reach the daemon before the stripes ahead of it; a stripe whose
+transfer failed is sent over gRPC, the others' pages are stored. gRPC: one Put stream per
 batch. A put is never retried (it is not idempotent).
 """
 
@@ -16,7 +20,15 @@ from collections.abc import Sequence
 from typing import cast
 
 from client.contract.scope import Scope
-from client.contract.types import IoClass, Page, PutResult, PutStatus, Tier, tokens_le
+from client.contract.types import (
+    IoClass,
+    Page,
+    PutResult,
+    PutStatus,
+    Tier,
+    chain_prefixes_for,
+    tokens_le,
+)
 from client.core.frames import chunk_bytes_for, put_messages
 from client.core.replies import put_statuses_from_proto
 from client.core.requests import (
@@ -40,7 +52,9 @@ from client.core.steps import (
     Release,
     Start,
     StreamPut,
+    Together,
 )
+from client.core.stripes import first_failure, stripe_ranges, stripes_verify_alone
 from kvstore_pb import store_pb2 as pb
 
 # Same-host puts of at least this many pages go as two halves in flight at once.
@@ -83,9 +97,27 @@ def put(
             else:
                 part = yield from _put_shm(*shm)
         elif path == "bulk":
-            part = yield from _put_bulk(scope, part_pages, views, io, tier, prefix, settings)
-            if part is None:
-                path = "grpc"
+            stripes = _stripes(scope, pages, r, route, settings, prefix_tokens)
+            if stripes is not None:
+                part, failed = yield from _put_striped(
+                    scope,
+                    pages,
+                    all_views,
+                    r,
+                    stripes,
+                    io,
+                    tier,
+                    prefix,
+                    prefix_tokens,
+                    route,
+                    settings,
+                )
+                if failed:
+                    path = "grpc"
+            else:
+                part = yield from _put_bulk(scope, part_pages, views, io, tier, prefix, settings)
+                if part is None:
+                    path = "grpc"
         if part is None:
             part = yield from _put_grpc(scope, part_pages, views, io, tier, prefix, route, settings)
         statuses.extend(part)
@@ -203,18 +235,96 @@ def _put_bulk(
     chain_prefix: list[bytes],
     settings: Settings,
 ) -> Plan[Statuses | None]:
-    begin = pb.PutBegin(
-        scope=scope.encode(),
-        io_class=io_class_value(io),
-        page_count=len(pages),
-        tier=tier_value(tier),
-        chain_prefix=chain_prefix,
-    ).SerializeToString()
+    begin = _begin(scope, io, tier, len(pages), chain_prefix)
     headers = [p.header.encode() for p in pages]
     done = yield BulkPut(begin, headers, views, settings.timeout_s)
     if done is BULK_FAILED:
         return None
     return cast(Statuses, done)
+
+
+def _stripes(
+    scope: Scope,
+    pages: Sequence[Page],
+    batch: range,
+    route: Route,
+    settings: Settings,
+    prefix_tokens: Sequence[int],
+) -> list[range] | None:
+    """The stripes of the batch `batch` of `pages`, as ranges of the call's pages, or None (it
+    goes whole: striping off or not worth it, or a stripe its chain check could refuse)."""
+    if not route.bulk_stripes:
+        return None
+    sizes = [p.header.payload_bytes for p in pages[batch.start : batch.stop]]
+    parts = stripe_ranges(sizes, settings.striping)
+    if parts is None:
+        return None
+    stripes = [range(batch.start + r.start, batch.start + r.stop) for r in parts]
+    return stripes if stripes_verify_alone(scope, pages, stripes, prefix_tokens) else None
+
+
+def _put_striped(
+    scope: Scope,
+    pages: Sequence[Page],
+    views: Sequence[memoryview],
+    batch: range,
+    stripes: Sequence[range],
+    io: IoClass,
+    tier: Tier | None,
+    chain_prefix: list[bytes],
+    prefix_tokens: Sequence[int],
+    route: Route,
+    settings: Settings,
+) -> Plan[tuple[Statuses, bool]]:
+    """The batch `batch` of `pages` (with `views` their payloads) as `stripes` (ranges of the
+    call's pages) sent at once; the merged statuses, and whether the bulk path failed under a
+    stripe (that stripe then went over gRPC). Stripe k > 0 carries, besides `chain_prefix`, the
+    tokens from its run's root to its pages (`chain_prefixes_for`), so the daemon verifies it
+    whichever stripe it reserves first. The first typed error of a stripe is raised once all
+    have ended."""
+    prefixes = [
+        chain_prefix + [tokens_le(t) for t in chain_prefixes_for(scope, pages, r, prefix_tokens)]
+        for r in stripes
+    ]
+    steps = tuple(
+        BulkPut(
+            _begin(scope, io, tier, len(r), prefix),
+            [p.header.encode() for p in pages[r.start : r.stop]],
+            views[r.start : r.stop],
+            settings.timeout_s,
+        )
+        for r, prefix in zip(stripes, prefixes, strict=True)
+    )
+    outcomes = cast(tuple[object, ...], (yield Together(steps)))
+    error = first_failure(outcomes, stripes)
+    if error is not None:
+        raise error
+    statuses: list[PutStatus] = []
+    failed = False
+    for r, prefix, done in zip(stripes, prefixes, outcomes, strict=True):
+        if done is BULK_FAILED:
+            failed = True
+            span = slice(r.start, r.stop)
+            done = yield from _put_grpc(
+                scope, pages[span], views[span], io, tier, prefix, route, settings
+            )
+        statuses.extend(cast(Statuses, done))
+    if len(statuses) != len(batch):
+        raise malformed(f"{len(statuses)} put statuses for {len(batch)} pages")
+    return tuple(statuses), failed
+
+
+def _begin(
+    scope: Scope, io: IoClass, tier: Tier | None, count: int, chain_prefix: list[bytes]
+) -> bytes:
+    """A serialized PutBegin of `count` pages."""
+    return pb.PutBegin(
+        scope=scope.encode(),
+        io_class=io_class_value(io),
+        page_count=count,
+        tier=tier_value(tier),
+        chain_prefix=chain_prefix,
+    ).SerializeToString()
 
 
 def _put_grpc(

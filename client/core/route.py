@@ -14,6 +14,7 @@ from typing import Literal
 
 from client.contract.types import IoClass, Limits, Tier
 from client.core.retry import RetryPolicy
+from client.core.stripes import NO_STRIPING, Striping
 
 Path = Literal["shm", "bulk", "grpc"]
 
@@ -21,12 +22,15 @@ Path = Literal["shm", "bulk", "grpc"]
 @dataclass(frozen=True, slots=True)
 class Settings:
     """One client's call settings: the deadline of each call (shared by its attempts), the
-    retry policy, the default I/O class and the largest gRPC message it sends or takes."""
+    retry policy, the default I/O class, the largest gRPC message it sends or takes, and how a
+    large batch is split over parallel TCP connections (client/core/stripes.py; off unless
+    given)."""
 
     timeout_s: float
     policy: RetryPolicy
     io_class: IoClass
     max_message_bytes: int
+    striping: Striping = NO_STRIPING
 
     def io(self, io_class: IoClass | None) -> IoClass:
         """The I/O class of one call: its own, else the client's."""
@@ -39,7 +43,8 @@ class Route:
 
     `limits`: the node's. `same_host`: the daemon's segments are mapped here. `bulk`: a UCX or
     TCP data path is open to the daemon (remote only); `bulk_lookups`: it serves lookups too
-    (TCP does, UCX does not). `pipelined`: the shell can keep two control calls in flight
+    (TCP does, UCX does not); `bulk_stripes`: a large batch may go over several of its
+    connections at once (`Together`; TCP). `pipelined`: the shell can keep two control calls in flight
     (`Start`/`Join`), so a large same-host put overlaps its halves.
     """
 
@@ -47,6 +52,7 @@ class Route:
     same_host: bool = False
     bulk: bool = False
     bulk_lookups: bool = False
+    bulk_stripes: bool = False
     pipelined: bool = False
 
 

@@ -30,6 +30,10 @@ What each step sends back (the shell's half of the contract):
 - `BulkLookup`: the tier of each hit (a tuple of `Tier`) over the TCP data path, or
   `BULK_FAILED` likewise.
 - `Dropped`: None, after adding `count` to the client's `corrupt_pages`.
+- `Together`: a tuple, one entry per step of `steps` in order: what that step sends back, or
+  the typed error (a StrataError) it failed with. The steps are taken at the same time, each on
+  a connection of its own (the stripes of a large batch, client/core/stripes.py); a failure of
+  one never cancels another, and every one has ended when the tuple is sent back.
 """
 
 from __future__ import annotations
@@ -173,6 +177,13 @@ class Dropped:
     count: int
 
 
+@dataclass(slots=True)
+class Together:
+    """Take the bulk steps `steps` at the same time, each on a connection of its own."""
+
+    steps: tuple[BulkGet, ...] | tuple[BulkPut, ...]
+
+
 class _BulkFailed:
     __slots__ = ()
 
@@ -200,6 +211,7 @@ Step: TypeAlias = (
     | BulkPut
     | BulkLookup
     | Dropped
+    | Together
 )
 Plan: TypeAlias = Generator[Step, object, R]
 """An operation: yields steps, is sent each step's outcome, returns the result."""

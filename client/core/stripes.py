@@ -1,0 +1,134 @@
+"""Striping: one large remote batch split over parallel connections of the TCP data path.
+
+One Python TCP stream on loopback tops out near 2 GB/s: the kernel's copy on each end is the
+limit, and the socket calls release the GIL. So a batch whose payloads reach `min_bytes` is cut
+into `stripes` contiguous sub-batches of about equal bytes (pages whole), each sent as its own
+ordinary request on a connection of its own, at the same time (a `Together` step,
+client/core/steps.py); the pages' results are merged back in order (client/core/get.py, put.py).
+
+Pure: no I/O. `Striping` is part of a client's call settings; `STRIPES_ENV` and
+`STRIPE_BYTES_ENV` give the defaults of a client made without them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from client.contract.errors import InvalidArgument
+from client.contract.scope import Scope
+from client.contract.types import Page
+
+DEFAULT_STRIPES = 2  # four measured no better than two on a 2-core host (docs/benchmarks.md)
+DEFAULT_STRIPE_MIN_BYTES = 8 << 20
+MAX_STRIPES = 16
+STRIPES_ENV = "STRATA_STORE_TCP_STRIPES"
+STRIPE_BYTES_ENV = "STRATA_STORE_TCP_STRIPE_BYTES"
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+_SIZE = re.compile(r"\s*(\d+)\s*([a-z]*)\s*")
+
+
+@dataclass(frozen=True, slots=True)
+class Striping:
+    """How a client splits a large batch on the TCP data path: into `stripes` sub-batches (1 =
+    never) once its payloads reach `min_bytes`."""
+
+    stripes: int = 1
+    min_bytes: int = DEFAULT_STRIPE_MIN_BYTES
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stripes <= MAX_STRIPES:
+            raise InvalidArgument(f"tcp_stripes must be 1..{MAX_STRIPES}, not {self.stripes}")
+        if self.min_bytes < 1:
+            raise InvalidArgument(f"tcp_stripe_min_bytes must be >= 1, not {self.min_bytes}")
+
+
+NO_STRIPING = Striping()
+"""Every batch whole (the striping of call settings that name none)."""
+
+
+def parse_bytes(text: str) -> int:
+    """A size as written in the environment: "8388608", "8MiB", "512KiB"; InvalidArgument."""
+    match = _SIZE.fullmatch(text.lower())
+    if match is None or match.group(2) not in _UNITS:
+        raise InvalidArgument(f"not a size: {text!r} (write e.g. 8MiB)")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def resolve_striping(
+    stripes: int | None, min_bytes: int | None, environ: Mapping[str, str] = os.environ
+) -> Striping:
+    """A client's striping: each option as given, else its environment variable, else the
+    default (`DEFAULT_STRIPES` from `DEFAULT_STRIPE_MIN_BYTES`). InvalidArgument for a bad
+    value."""
+    if stripes is None:
+        raw = environ.get(STRIPES_ENV, "").strip()
+        try:
+            stripes = int(raw) if raw else DEFAULT_STRIPES
+        except ValueError:
+            raise InvalidArgument(f"{STRIPES_ENV}={raw!r} is not a whole number") from None
+    if min_bytes is None:
+        raw = environ.get(STRIPE_BYTES_ENV, "").strip()
+        min_bytes = parse_bytes(raw) if raw else DEFAULT_STRIPE_MIN_BYTES
+    return Striping(stripes, min_bytes)
+
+
+def stripe_ranges(sizes: Sequence[int], striping: Striping) -> list[range] | None:
+    """The stripes of a batch of pages of `sizes` payload bytes: up to `striping.stripes`
+    contiguous, non-empty ranges covering it, cut where the running byte count passes each
+    equal share; None when the batch goes whole (striping off, one page, under `min_bytes`)."""
+    count = min(striping.stripes, len(sizes))
+    total = sum(sizes)
+    if count < 2 or total < striping.min_bytes:
+        return None
+    ranges: list[range] = []
+    start, running = 0, 0
+    for i, size in enumerate(sizes):
+        running += size
+        cut = len(ranges) + 1
+        # close this stripe once it holds its share, or when the pages left are one a stripe
+        if running * count >= total * cut or len(sizes) - (i + 1) == count - cut:
+            ranges.append(range(start, i + 1))
+            start = i + 1
+            if len(ranges) == count - 1:
+                break
+    ranges.append(range(start, len(sizes)))
+    return ranges
+
+
+def stripes_verify_alone(
+    scope: Scope, pages: Sequence[Page], ranges: Sequence[range], prefix_tokens: Sequence[int]
+) -> bool:
+    """Whether each stripe of a put can pass the daemon's key-chain check (kvstore/chain.py)
+    when it arrives before the stripes ahead of it: true when every stripe either starts a
+    new run of the chain, or continues a run that `chain_prefixes_for` can vouch for (one rooted
+    at the scope digest, or at `prefix_tokens` for a run from `pages[0]`). A run from a parent
+    only the node knows cannot be vouched for: such a put goes whole."""
+    for r in ranges[1:]:
+        j = r.start
+        if pages[j].header.parent != pages[j - 1].header.key:
+            continue  # a new run: its parent does not come from an earlier stripe
+        while j > 0 and pages[j].header.parent == pages[j - 1].header.key:
+            j -= 1
+        rooted = pages[j].header.parent == scope.digest or (j == 0 and bool(prefix_tokens))
+        if not rooted:
+            return False
+    return True
+
+
+def first_failure(outcomes: Sequence[object], ranges: Sequence[range]) -> BaseException | None:
+    """The error of the first stripe that failed with one (`outcomes` as a `Together` step
+    sends them back, `ranges` the stripes' pages within the call), noted with the pages it
+    covered; None when none did. The other stripes ran to their end: a put's pages in them are
+    stored, as after a failed batch of an unstriped call."""
+    for k, (outcome, r) in enumerate(zip(outcomes, ranges, strict=True)):
+        if isinstance(outcome, BaseException):
+            outcome.add_note(
+                f"stripe {k + 1} of {len(ranges)} (pages {r.start}..{r.stop - 1} of the call) "
+                "failed; the other stripes ran to their end"
+            )
+            return outcome
+    return None
