@@ -9,12 +9,19 @@ HELLO with the client's token (client/transports/lane_protocol.py); a daemon tha
 client with the same-host path refuses it (`LaneError.refused`); one that trusts a client of
 another user (`auth.local_uids`) hands it the segment's descriptor with the answer
 (`Lane.take_segment_fds`).
+
+A pooled connection's socket stays blocking; each send or receive is first tried without
+waiting (MSG_DONTWAIT), and only one that would block waits, in one poll() bounded by the call's
+deadline (a socket with a timeout would poll before every call, and take an ioctl for every
+change of its timeout). A reply's first receive polls for up to `_SPIN_S` before it sleeps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import select
 import socket
 import threading
 import time
@@ -81,17 +88,20 @@ class _Done:
 class LaneCall:
     """A lane call in flight on a connection of its own; `result()` waits for the reply."""
 
-    def __init__(self, lane: Lane, sock: socket.socket, reply_type: type[Message]) -> None:
+    def __init__(
+        self, lane: Lane, sock: socket.socket, reply_type: type[Message], deadline: float
+    ) -> None:
         self._lane = lane
         self._sock: socket.socket | None = sock
         self._reply_type = reply_type
+        self._deadline = deadline
 
     def result(self) -> Message:
         """The reply; raises LaneError (then, and after `cancel`, the connection is gone)."""
         sock, self._sock = self._sock, None
         if sock is None:
             raise LaneError(grpc.StatusCode.CANCELLED, "lane call already finished or cancelled")
-        return self._reply_type.FromString(self._lane.finish(sock))
+        return self._reply_type.FromString(self._lane.finish(sock, self._deadline))
 
     def cancel(self) -> None:
         """Give up on the reply (the connection is closed, not reused)."""
@@ -114,8 +124,9 @@ class _LaneMethod:
         """Send the request and return at once; the reply is read by `LaneCall.result()`.
         Calls started together run on separate connections, so the daemon serves them while
         the caller does other work."""
-        sock = self._lane.send(self._id, request.SerializeToString(), timeout)
-        return LaneCall(self._lane, sock, self._reply_type)
+        deadline = _deadline(timeout)
+        sock = self._lane.send(self._id, request.SerializeToString(), deadline)
+        return LaneCall(self._lane, sock, self._reply_type, deadline)
 
     def future(self, request: Message, timeout: float | None = None) -> _Done:
         """Send without waiting for any reply (the lane's one-way frame)."""
@@ -137,17 +148,18 @@ class Lane:
         self._lock = threading.Lock()
         self._closed = False
 
-    def _take(self, timeout: float | None) -> socket.socket:
+    def _take(self, deadline: float) -> socket.socket:
         with self._lock:
             if self._closed:
                 raise LaneError(grpc.StatusCode.UNAVAILABLE, "lane closed")
             if self._idle:
-                sock = self._idle.pop()
-                if sock.gettimeout() != timeout:  # settimeout costs an ioctl even when unchanged
-                    sock.settimeout(timeout)
-                return sock
+                return self._idle.pop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
+        try:
+            sock.settimeout(_left(deadline))
+        except TimeoutError:
+            sock.close()
+            raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call timed out") from None
         try:
             sock.connect(self.path)
             sock.sendall(REQUEST.pack(len(self._hello), HELLO, 0, 0) + self._hello)
@@ -158,6 +170,7 @@ class Lane:
             sock.close()
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane {self.path}: {exc}") from None
         self._hello_answer(sock)
+        sock.settimeout(None)  # blocking from now on: each call bounds its own waits
         return sock
 
     def _hello_answer(self, sock: socket.socket) -> None:
@@ -201,20 +214,27 @@ class Lane:
         sock.close()
 
     def call(self, method: int, payload: bytes, timeout: float | None, *, one_way: bool) -> bytes:
-        """One request (and, unless one-way, its response). Raises LaneError."""
-        sock = self.send(method, payload, timeout, one_way=one_way)
+        """One request (and, unless one-way, its response) within `timeout` seconds (None: no
+        bound). Raises LaneError."""
+        deadline = _deadline(timeout)
+        sock = self.send(method, payload, deadline, one_way=one_way)
         if one_way:
             self._give_back(sock)
             return b""
-        return self.finish(sock)
+        return self.finish(sock, deadline)
 
     def send(
-        self, method: int, payload: bytes, timeout: float | None, *, one_way: bool = False
+        self, method: int, payload: bytes, deadline: float, *, one_way: bool = False
     ) -> socket.socket:
-        """Send a request on a connection of its own; `finish` reads its reply. LaneError."""
-        sock = self._take(timeout)
+        """Send a request on a connection of its own before `deadline` (time.monotonic();
+        math.inf: none); `finish` reads its reply. LaneError."""
+        sock = self._take(deadline)
         try:
-            sock.sendall(REQUEST.pack(len(payload), method, ONE_WAY if one_way else 0, 0) + payload)
+            _send_all(
+                sock,
+                REQUEST.pack(len(payload), method, ONE_WAY if one_way else 0, 0) + payload,
+                deadline,
+            )
         except TimeoutError:
             sock.close()
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call timed out") from None
@@ -223,13 +243,12 @@ class Lane:
             raise LaneError(grpc.StatusCode.UNAVAILABLE, f"lane: {exc}") from None
         return sock
 
-    def finish(self, sock: socket.socket) -> bytes:
-        """The reply to the request just sent on `sock` (which goes back to the pool). Raises
-        LaneError. Nothing but this reply can arrive on `sock` now, so the frame head and a
-        small body come in one read."""
+    def finish(self, sock: socket.socket, deadline: float = math.inf) -> bytes:
+        """The reply to the request just sent on `sock` (which goes back to the pool), before
+        `deadline`. Raises LaneError. Nothing but this reply can arrive on `sock` now, so the
+        frame head and a small body come in one read."""
         try:
-            _spin_until_readable(sock)
-            status, retry_ms, body = _read_reply(sock)
+            status, retry_ms, body = _read_reply(sock, deadline)
         except TimeoutError:
             sock.close()
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call timed out") from None
@@ -258,56 +277,92 @@ class Lane:
 _FIRST_READ = 16 << 10  # a reply this small (a miss, a lookup, most acquires) is one recv
 
 
-# Before it sleeps on a reply, a call polls the socket for up to this long (non-blocking peeks,
+# Before it sleeps on a reply, a call polls the socket for up to this long (non-blocking tries,
 # yielding the CPU between them): most lane replies come within it, and a thread that never
 # sleeps is not woken by the kernel. Measured on the 2-core development machine, a same-host get
 # of one missing page: 174-186 us p50 sleeping at once, 114-119 us with this (interleaved blocks
 # against one daemon); the cost is at most this much CPU a call.
 _SPIN_S = 100e-6
+_NOWAIT = socket.MSG_DONTWAIT
 
 
-def _spin_until_readable(sock: socket.socket) -> None:
-    """Return once `sock` has bytes (or its peer closed), or after `_SPIN_S`."""
-    timeout = sock.gettimeout()
-    deadline = time.perf_counter() + _SPIN_S
-    sock.setblocking(False)
-    try:
-        while True:
-            try:
-                sock.recv(1, socket.MSG_PEEK)  # b"" at EOF: the read that follows says so
-                return
-            except BlockingIOError:
-                pass
-            if time.perf_counter() >= deadline:
-                return
-            os.sched_yield()
-    finally:
-        sock.settimeout(timeout)
+def _deadline(timeout: float | None) -> float:
+    return math.inf if timeout is None else time.monotonic() + timeout
 
 
-def _read_reply(sock: socket.socket) -> tuple[int, int, bytes]:
-    """(status, retry-after ms, body) of the one reply frame due on `sock`."""
+def _left(deadline: float) -> float | None:
+    """Seconds left before `deadline` (None: no deadline); TimeoutError once it has passed."""
+    if deadline == math.inf:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def _wait(sock: socket.socket, events: int, deadline: float) -> None:
+    """Sleep until `sock` is ready for `events`; TimeoutError past `deadline`."""
+    left = _left(deadline)
+    poller = select.poll()
+    poller.register(sock, events)
+    if not poller.poll(None if left is None else max(math.ceil(left * 1000), 1)):
+        raise TimeoutError
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
+    """Every byte of `data` sent on `sock` before `deadline` (a request usually goes at once)."""
+    sent = 0
+    while sent < len(data):
+        try:
+            sent += sock.send(memoryview(data)[sent:] if sent else data, _NOWAIT)
+        except BlockingIOError:
+            _wait(sock, select.POLLOUT, deadline)
+
+
+def _recv(sock: socket.socket, view: memoryview, deadline: float, spin: bool = False) -> int:
+    """One receive into `view` (0: the peer closed) before `deadline`; with `spin`, one that
+    would block is tried again for up to `_SPIN_S` (yielding the CPU) before it sleeps."""
+    spin_until = 0.0
+    while True:
+        try:
+            return sock.recv_into(view, 0, _NOWAIT)
+        except BlockingIOError:
+            if spin:
+                now = time.perf_counter()
+                if not spin_until:
+                    spin_until = now + _SPIN_S
+                if now < spin_until:
+                    os.sched_yield()
+                    continue
+                spin = False
+            _wait(sock, select.POLLIN, deadline)
+
+
+def _read_reply(sock: socket.socket, deadline: float = math.inf) -> tuple[int, int, bytes]:
+    """(status, retry-after ms, body) of the one reply frame due on `sock`, before `deadline`
+    (TimeoutError past it); its first receive polls briefly before it sleeps."""
     head = RESPONSE.size
     buf = bytearray(_FIRST_READ)
     view = memoryview(buf)
     got = 0
     while got < head:
-        n = sock.recv_into(view[got:])
+        n = _recv(sock, view[got:], deadline, spin=not got)
         if n == 0:
             raise LaneClosed("lane closed by peer")
         got += n
     length, status, retry_ms = RESPONSE.unpack_from(buf)
     total = head + length
-    if total <= got:
-        return status, retry_ms, bytes(view[head:total])
-    if total <= _FIRST_READ:
-        while got < total:
-            n = sock.recv_into(view[got:total])
-            if n == 0:
-                raise LaneClosed("lane closed by peer")
-            got += n
-        return status, retry_ms, bytes(view[head:total])
-    return status, retry_ms, bytes(view[head:got]) + bytes(recv_exact(sock, total - got))
+    if total > _FIRST_READ:  # the rest straight into a buffer of its size
+        out = bytearray(length)
+        out[: got - head] = view[head:got]
+        view, got, total = memoryview(out), got - head, length
+        head = 0
+    while got < total:
+        n = _recv(sock, view[got:total], deadline)
+        if n == 0:
+            raise LaneClosed("lane closed by peer")
+        got += n
+    return status, retry_ms, bytes(view[head:total])
 
 
 class LaneStub:

@@ -1,6 +1,8 @@
 """The lane client's reply reader (client/transports/lane.py `_read_reply`): a reply frame read
 whole however the kernel splits it — in one read when small, in pieces, or larger than the first
-read — and a peer that closes mid-frame is LaneClosed, never a short body."""
+read — and a peer that closes mid-frame is LaneClosed, never a short body. Its wait polls
+briefly, then sleeps until the reply comes or the call's deadline passes; the socket stays
+blocking."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class Trickle:
         self.pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
         self.reads = 0
 
-    def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
+    def recv_into(self, view: memoryview, nbytes: int = 0, flags: int = 0) -> int:
         self.reads += 1
         if not self.pieces:
             return 0
@@ -89,25 +91,34 @@ def test_a_peer_that_closes_mid_frame_is_lane_closed(
         _read_reply(client)
 
 
-def test_the_reply_wait_polls_briefly_and_leaves_the_socket_as_it_was() -> None:
-    """`_spin_until_readable`: returns as soon as bytes (or the peer's close) are there, gives up
-    after `_SPIN_S` when none come, consumes nothing, and restores the socket's timeout."""
+def test_the_reply_wait_polls_then_sleeps_until_the_reply_or_the_deadline() -> None:
+    """A reply there at once is read with no wait; one that comes after the poll window is
+    read by the sleeping wait; none by the deadline is TimeoutError with nothing consumed; the
+    socket is left blocking (no timeout set or changed)."""
+    import threading
     import time
 
     from client.transports import lane as lane_mod
 
     a, b = socket.socketpair()
     try:
-        a.settimeout(3.0)
-        started = time.perf_counter()
-        lane_mod._spin_until_readable(a)  # nothing sent: gives up
-        assert lane_mod._SPIN_S <= time.perf_counter() - started < 1.0
-        assert a.gettimeout() == 3.0
-        b.sendall(b"xyz")
-        lane_mod._spin_until_readable(a)
-        assert a.recv(3) == b"xyz"  # the peek consumed nothing
+        b.sendall(frame(b"now"))
+        assert _read_reply(a, time.monotonic() + 1.0) == (0, 0, b"now")
+        timer = threading.Timer(0.05, b.sendall, (frame(b"later"),))
+        timer.start()
+        started = time.monotonic()
+        assert _read_reply(a, time.monotonic() + 5.0) == (0, 0, b"later")
+        assert time.monotonic() - started >= 0.04 > 100 * lane_mod._SPIN_S  # slept, then woke
+        timer.join()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            _read_reply(a, time.monotonic() + 0.05)
+        assert 0.04 <= time.monotonic() - started < 1.0
+        b.sendall(frame(b"after"))  # the timed-out wait consumed nothing
+        assert _read_reply(a) == (0, 0, b"after")
+        assert a.gettimeout() is None
         b.close()
-        lane_mod._spin_until_readable(a)  # EOF: returns, the read that follows sees it
-        assert a.recv(1) == b"" and a.gettimeout() == 3.0
+        with pytest.raises(LaneClosed):  # EOF while waiting
+            _read_reply(a, time.monotonic() + 1.0)
     finally:
         a.close()
