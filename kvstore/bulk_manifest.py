@@ -4,8 +4,8 @@ views of the payloads that follow it, in order. Pure over the pinned slots: no I
 
 from __future__ import annotations
 
-from client.transports.ucx_protocol import ManifestEntry, encode_manifest
-from kvstore.store import Acquisition
+from client.transports.ucx_protocol import ManifestEntry, ProtocolError, encode_manifest
+from kvstore.store import Acquisition, Store
 from kvstore.tiers.dram import DramTier
 
 _ABSENT = ManifestEntry(b"", 0)
@@ -24,3 +24,14 @@ def acquired_manifest(acq: Acquisition, dram: DramTier) -> tuple[bytes, list[mem
         if page.length:
             views.append(dram.view(page.offset, page.length))
     return encode_manifest(entries), views, sum(v.nbytes for v in views)
+
+
+def check_sent_from_held_slots(acq: Acquisition, store: Store) -> None:
+    """After a get's payloads were sent: ProtocolError (the connection is to end; counted in
+    `stale_fenced`) if any page left its DRAM slot meanwhile. Not reached while the lease holds
+    (the send is bounded by half of it); a clock that jumped could let one go."""
+    generation = store.tiers.dram.generation
+    if any(page is not None and generation(page.offset) != page.generation for page in acq.pages):
+        with store.counters.lock:
+            store.counters.stale_fenced += 1
+        raise ProtocolError("a page left its slot while being sent")

@@ -43,13 +43,11 @@ from google.protobuf.message import DecodeError
 from client.contract.errors import (
     Corrupt,
     InvalidArgument,
-    PermissionDenied,
     StrataError,
     Unauthenticated,
     Unavailable,
 )
 from client.contract.page import PageHeader
-from client.contract.scope import KEY_BYTES, unpack_keys
 from client.transports.tcp_endpoint import TLS_HANDSHAKE_TIMEOUT_S
 from client.transports.tcp_protocol import (
     KIND_LOOKUP,
@@ -71,7 +69,6 @@ from client.transports.ucx_protocol import (
     Frame,
     ManifestEntry,
     ProtocolError,
-    decode_put,
     encode_error,
     encode_manifest,
     format_address,
@@ -79,8 +76,9 @@ from client.transports.ucx_protocol import (
     preamble,
 )
 from kvstore.auth import OPEN, Authenticator, Principal
-from kvstore.bulk_manifest import acquired_manifest
-from kvstore.keys import IoClass, io_class_from_wire, tier_from_wire
+from kvstore.bulk_manifest import acquired_manifest, check_sent_from_held_slots
+from kvstore.bulk_requests import decode_bulk_get, decode_bulk_put, read_digest
+from kvstore.keys import IoClass
 from kvstore.store import Reservation, Store
 from kvstore.tls import TLS_HANDSHAKE_BYTE, ServerTls
 from kvstore_pb import store_pb2
@@ -404,36 +402,6 @@ class TcpServer:
         code, meta = encode_error(exc)
         conn.send((preamble(KIND_ERROR, code, len(meta)), meta), self._get_timeout_s)
 
-    # ---- checks (as the gRPC calls make them) -------------------------------------------------
-
-    def _read_digest(self, principal: Principal, scope: bytes, scope_digest: bytes) -> bytes:
-        auth = self._auth
-        if not scope:
-            if not auth.open:
-                raise InvalidArgument("this daemon checks namespaces: the request must carry scope")
-            if len(scope_digest) != KEY_BYTES:
-                raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
-            return scope_digest
-        digest, namespace = auth.scope_namespace(scope)
-        if scope_digest and scope_digest != digest:
-            auth.denied(principal, "scope_mismatch")
-            raise InvalidArgument("scope_digest is not the digest of scope")
-        if not auth.open:
-            try:
-                principal.check_read(namespace)
-            except PermissionDenied:
-                auth.denied(principal, "read")
-                raise
-        return digest
-
-    def _keys(self, packed: bytes) -> list[bytes]:
-        limit = self._store.config.limits.max_keys_per_call
-        if len(packed) > limit * KEY_BYTES:  # refused before the keys are split
-            raise InvalidArgument(
-                f"{len(packed) // KEY_BYTES} keys in one call; the limit is {limit}"
-            )
-        return unpack_keys(packed)
-
     # ---- lookup ------------------------------------------------------------------------------
 
     def _lookup(self, conn: _Conn, meta: bytearray, principal: Principal) -> None:
@@ -442,7 +410,7 @@ class TcpServer:
                 request = store_pb2.LookupRequest.FromString(bytes(meta))
             except DecodeError:
                 raise InvalidArgument("malformed LookupRequest") from None
-            digest = self._read_digest(principal, request.scope, request.scope_digest)
+            digest = read_digest(self._auth, principal, request.scope, request.scope_digest)
             # packed keys in (Store.lookup checks the field and the key limit), one Tier byte a
             # hit out: the codes are what the frame carries
             codes = self._store.lookup(digest, request.keys).codes
@@ -456,14 +424,9 @@ class TcpServer:
     def _get(self, conn: _Conn, meta: bytearray, principal: Principal) -> None:
         store = self._store
         try:
-            try:
-                request = store_pb2.GetRequest.FromString(bytes(meta))
-            except DecodeError:
-                raise InvalidArgument("malformed GetRequest") from None
-            keys = self._keys(request.keys)
-            digest = self._read_digest(principal, request.scope, request.scope_digest)
-            io = io_class_from_wire(request.io_class)
-            acq = store.acquire(digest, keys, io)
+            get = decode_bulk_get(store, self._auth, principal, meta)
+            io = get.io
+            acq = store.acquire(get.digest, get.keys, io)
         except StrataError as exc:
             self._send_error(conn, exc)
             return
@@ -492,13 +455,7 @@ class TcpServer:
                     self._send_error(conn, exc)
                     return
                 conn.send((frame, manifest, *views), self._get_timeout_s)
-            if any(
-                page is not None and dram.generation(page.offset) != page.generation
-                for page in acq.pages
-            ):  # not reached while the lease holds; if a clock jumped, end the connection
-                with store.counters.lock:
-                    store.counters.stale_fenced += 1
-                raise ProtocolError("a page left its slot while being sent")
+            check_sent_from_held_slots(acq, store)
             store.counters.add_bytes("tcp", "out", io, total)
         finally:
             if acq.lease_id:
@@ -524,32 +481,15 @@ class TcpServer:
             self._send_error(conn, InvalidArgument(str(exc)))
             raise
         try:
-            raw_begin, headers = decode_put(head, page_count)
-            try:
-                begin = store_pb2.PutBegin.FromString(raw_begin)
-            except DecodeError:
-                raise InvalidArgument("malformed PutBegin") from None
-            if begin.page_count != page_count:
-                raise InvalidArgument(
-                    f"PutBegin announces {begin.page_count} pages, sent {page_count}"
-                )
-            scope = store.scope_of(begin.scope)
-            if not self._auth.open:
-                try:
-                    principal.check_write(scope.namespace)
-                except PermissionDenied:
-                    self._auth.denied(principal, "write")
-                    raise
-                self._auth.remember(scope.digest, scope.namespace)
-            io = io_class_from_wire(begin.io_class)
-            tier = tier_from_wire(begin.tier)
+            put = decode_bulk_put(store, self._auth, principal, head, page_count)
+            headers, io = put.headers, put.io
             res = store.reserve(
-                scope,
+                put.scope,
                 headers,
                 self._reserve_ms,
                 io,
                 client=conn.name,
-                chain_prefix=begin.chain_prefix,
+                chain_prefix=put.chain_prefix,
             )
         except StrataError as exc:
             self._drain(conn, sum(sizes))
@@ -560,7 +500,7 @@ class TcpServer:
             error = self._receive_pages(conn, res, headers, sizes, io)
             if error is None:
                 try:
-                    store.commit(res.lease_id, tier, io, path="tcp")
+                    store.commit(res.lease_id, put.tier, io, path="tcp")
                     lease = 0  # committed: the lease has ended
                 except StrataError as exc:
                     error = exc

@@ -27,18 +27,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from google.protobuf.message import DecodeError
-
 from client.contract.errors import (
     Corrupt,
     InvalidArgument,
-    PermissionDenied,
     StrataError,
     Unauthenticated,
     Unavailable,
 )
 from client.contract.page import PageHeader
-from client.contract.scope import KEY_BYTES, unpack_keys
 from client.transports.ucx_protocol import (
     KIND_DONE,
     KIND_ERROR,
@@ -51,7 +47,6 @@ from client.transports.ucx_protocol import (
     PREAMBLE,
     Frame,
     ProtocolError,
-    decode_put,
     encode_error,
     format_address,
     parse_preamble,
@@ -60,8 +55,9 @@ from client.transports.ucx_protocol import (
 )
 from client.transports.ucx_runtime import ucx_runtime
 from kvstore.auth import OPEN, Authenticator, Principal
-from kvstore.bulk_manifest import acquired_manifest
-from kvstore.keys import IoClass, Tier, io_class_from_wire, tier_from_wire
+from kvstore.bulk_manifest import acquired_manifest, check_sent_from_held_slots
+from kvstore.bulk_requests import decode_bulk_get, decode_bulk_put
+from kvstore.keys import IoClass, Tier
 from kvstore.store import Reservation, Store
 from kvstore.tls import ServerTls
 from kvstore_pb import store_pb2
@@ -249,38 +245,6 @@ class BulkServer:
         await ep.send(preamble(KIND_WELCOME))
         return principal
 
-    def _read_digest(self, principal: Principal, request: store_pb2.GetRequest) -> bytes:
-        """The scope digest of a get after the principal's read check (as the gRPC Get)."""
-        auth = self._auth
-        if not request.scope:
-            if not auth.open:
-                raise InvalidArgument("this daemon checks namespaces: the request must carry scope")
-            if len(request.scope_digest) != KEY_BYTES:
-                raise InvalidArgument(f"scope digest must be {KEY_BYTES} bytes")
-            return request.scope_digest
-        digest, namespace = auth.scope_namespace(request.scope)
-        if request.scope_digest and request.scope_digest != digest:
-            auth.denied(principal, "scope_mismatch")
-            raise InvalidArgument("scope_digest is not the digest of scope")
-        if not auth.open:
-            try:
-                principal.check_read(namespace)
-            except PermissionDenied:
-                auth.denied(principal, "read")
-                raise
-        return digest
-
-    def _check_write(self, principal: Principal, namespace: str, digest: bytes) -> None:
-        auth = self._auth
-        if auth.open:
-            return
-        try:
-            principal.check_write(namespace)
-        except PermissionDenied:
-            auth.denied(principal, "write")
-            raise
-        auth.remember(digest, namespace)
-
     async def _send_error(self, ep: Any, exc: BaseException) -> None:
         if not isinstance(exc, StrataError):
             log.exception("UCX request failed", exc_info=exc)
@@ -293,19 +257,9 @@ class BulkServer:
     async def _get(self, ep: Any, meta: bytearray, path: str, principal: Principal) -> None:
         store = self._store
         try:
-            try:
-                request = store_pb2.GetRequest.FromString(bytes(meta))
-            except DecodeError:
-                raise InvalidArgument("malformed GetRequest") from None
-            limit = store.config.limits.max_keys_per_call
-            if len(request.keys) > limit * KEY_BYTES:  # refused before the keys are split
-                raise InvalidArgument(
-                    f"{len(request.keys) // KEY_BYTES} keys in one get; the limit is {limit}"
-                )
-            keys = unpack_keys(request.keys)
-            digest = self._read_digest(principal, request)
-            io = io_class_from_wire(request.io_class)
-            acq = await self._call(io, store.acquire, digest, keys, io)
+            get = decode_bulk_get(store, self._auth, principal, meta)
+            io = get.io
+            acq = await self._call(io, store.acquire, get.digest, get.keys, io)
         except StrataError as exc:
             await self._send_error(ep, exc)
             return
@@ -333,13 +287,7 @@ class BulkServer:
                 )
             finally:
                 admission.__exit__(None, None, None)
-            if any(
-                page is not None and dram.generation(page.offset) != page.generation
-                for page in acq.pages
-            ):  # not reached while the lease holds; if a clock jumped, end the connection
-                with store.counters.lock:
-                    store.counters.stale_fenced += 1
-                raise ProtocolError("a page left its slot while being sent")
+            check_sent_from_held_slots(acq, store)
             store.counters.add_bytes(path, "out", io, total)
         finally:
             if acq.lease_id:
@@ -357,29 +305,18 @@ class BulkServer:
                 raise InvalidArgument(
                     f"{page_count} pages in one put; the limit is {limits.max_keys_per_call}"
                 )
-            raw_begin, headers = decode_put(meta, page_count)
-            try:
-                begin = store_pb2.PutBegin.FromString(raw_begin)
-            except DecodeError:
-                raise InvalidArgument("malformed PutBegin") from None
-            if begin.page_count != page_count:
-                raise InvalidArgument(
-                    f"PutBegin announces {begin.page_count} pages, sent {page_count}"
-                )
-            scope = store.scope_of(begin.scope)
-            self._check_write(principal, scope.namespace, scope.digest)
-            io = io_class_from_wire(begin.io_class)
-            tier = tier_from_wire(begin.tier)
+            put = decode_bulk_put(store, self._auth, principal, meta, page_count)
+            headers, io = put.headers, put.io
             res = await self._call(
                 io,
                 functools.partial(
                     store.reserve,
-                    scope,
+                    put.scope,
                     headers,
                     self._reserve_ms,
                     io,
                     client=f"{path}:{id(ep)}",
-                    chain_prefix=begin.chain_prefix,
+                    chain_prefix=put.chain_prefix,
                 ),
             )
         except StrataError as exc:
@@ -399,7 +336,7 @@ class BulkServer:
             finally:
                 admission.__exit__(None, None, None)
             try:
-                await self._call(io, self._verify_and_commit, res, headers, tier, io, path)
+                await self._call(io, self._verify_and_commit, res, headers, put.tier, io, path)
                 lease = 0  # committed: the lease has ended
             except StrataError as exc:
                 await self._send_error(ep, exc)
