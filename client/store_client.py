@@ -111,6 +111,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 _LOCAL_PROBE_S = 2.0
 _STRIPE_GRACE_S = 5.0  # how long past its deadline a stripe is waited for (it ends by then)
+_STRIPED_CALLS_AT_ONCE = 4  # stripe threads for this many striped calls in flight together
 
 
 class _Pending(Protocol):
@@ -444,7 +445,7 @@ class StoreClient(ClientShell):
     def _stripe_workers(self) -> StripeWorkers:
         with self._counter_lock:
             if self._workers is None:
-                size = self._settings.striping.stripes - 1
+                size = (self._settings.striping.stripes - 1) * _STRIPED_CALLS_AT_ONCE
                 workers = StripeWorkers("strata-tcp-stripe", size)
                 if self._closed:  # a call that raced close(): its stripes run in this thread
                     workers.close()

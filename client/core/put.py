@@ -16,8 +16,8 @@ batch. A put is never retried (it is not idempotent).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Iterator, Sequence
+from typing import cast, overload
 
 from client.contract.scope import Scope
 from client.contract.types import (
@@ -289,7 +289,7 @@ def _put_striped(
     steps = tuple(
         BulkPut(
             _begin(scope, io, tier, len(r), prefix),
-            [p.header.encode() for p in pages[r.start : r.stop]],
+            _HeaderBytes(pages[r.start : r.stop]),
             views[r.start : r.stop],
             settings.timeout_s,
         )
@@ -312,6 +312,32 @@ def _put_striped(
     if len(statuses) != len(batch):
         raise malformed(f"{len(statuses)} put statuses for {len(batch)} pages")
     return tuple(statuses), failed
+
+
+class _HeaderBytes(Sequence[bytes]):
+    """The encoded headers of `pages`, each encoded (its payload hashed, when still pending) on
+    first read: a stripe's headers are then hashed in the thread that sends that stripe, beside
+    the others (xxhash releases the GIL), not one after another before any is sent."""
+
+    __slots__ = ("_pages",)
+
+    def __init__(self, pages: Sequence[Page]) -> None:
+        self._pages = pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            return [p.header.encode() for p in self._pages[index]]
+        return self._pages[index].header.encode()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (p.header.encode() for p in self._pages)
 
 
 def _begin(

@@ -1,10 +1,10 @@
 """The threads a blocking client runs the stripes of a large TCP batch on (client/core/stripes.py).
 
-`StripeWorkers.run_all(calls)` runs the first call in the caller's thread and the others on a
-few persistent daemon threads, started on first use, so the socket I/O of every stripe (which
-releases the GIL) overlaps. A stripe no worker has picked up by the time the caller's own is
-done runs in the caller's thread next: many threads striping at once through one client never
-wait on each other's stripes for longer than their own calls take. `close()` stops the threads.
+`StripeWorkers.run_all(calls)` runs the first call in the caller's thread and each other one on
+an idle thread of a small persistent pool of daemon threads, started as first needed, so the
+socket I/O of every stripe (which releases the GIL) overlaps. When many threads stripe at once
+through one client and no thread is idle, a stripe runs in its caller's thread after the
+caller's own: no call ever waits for another call's stripes. `close()` stops the threads.
 """
 
 from __future__ import annotations
@@ -51,15 +51,27 @@ class _Job(Generic[T]):
         return self.value  # type: ignore[return-value]
 
 
+class _Worker:
+    """One daemon thread and the queue of the jobs handed to it."""
+
+    __slots__ = ("jobs", "thread")
+
+    def __init__(self, name: str, pool: StripeWorkers) -> None:
+        self.jobs: queue.SimpleQueue[_Job[object] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=pool._work, args=(self,), name=name, daemon=True)
+
+
 class StripeWorkers:
-    """Up to `size` daemon threads named `name`, started as the calls first need them."""
+    """Up to `size` daemon threads named `name`, started as the calls first need them. Each
+    call's stripes go to idle threads, one each, so they run at the same time; a stripe that
+    finds none idle runs in the caller's thread after its own."""
 
     def __init__(self, name: str, size: int) -> None:
         self._name = name
         self._size = max(size, 1)
-        self._jobs: queue.SimpleQueue[_Job[object] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._idle: list[_Worker] = []
+        self._all: list[_Worker] = []
         self._closed = False
 
     def run_all(self, calls: Sequence[Callable[[], T]], wait_s: float) -> list[T]:
@@ -70,14 +82,15 @@ class StripeWorkers:
         its own time (its deadline); one still running `wait_s` after this thread's own ended
         raises TimeoutError (a safety net: it is then left to end on its own)."""
         jobs = [_Job(call) for call in calls[1:]]
-        if jobs:
-            self._start(len(jobs))
-            for job in jobs:
-                self._jobs.put(job)  # type: ignore[arg-type]
+        for job in jobs:
+            worker = self._take_idle()
+            if worker is None:
+                break  # the rest run here
+            worker.jobs.put(job)  # type: ignore[arg-type]
         first = _Job(calls[0])
         first.claim()
         first.run()
-        for job in jobs:  # one no worker took yet: run it here
+        for job in jobs:  # one no worker took (or started) yet: run it here
             if job.claim():
                 job.run()
         for job in jobs:
@@ -91,29 +104,34 @@ class StripeWorkers:
             if self._closed:
                 return
             self._closed = True
-            threads, self._threads = self._threads, []
-        for _ in threads:
-            self._jobs.put(None)
-        for thread in threads:
-            thread.join(_JOIN_S)
+            workers, self._all, self._idle = self._all, [], []
+        for worker in workers:
+            worker.jobs.put(None)
+        for worker in workers:
+            worker.thread.join(_JOIN_S)
 
-    def _start(self, wanted: int) -> None:
+    def _take_idle(self) -> _Worker | None:
+        """An idle worker, started now if all are busy and there is room; None: none."""
         with self._lock:
             if self._closed:
-                return  # the caller's thread runs every call itself
-            while len(self._threads) < min(wanted, self._size):
-                thread = threading.Thread(
-                    target=self._work,
-                    name=f"{self._name}-{len(self._threads) + 1}",
-                    daemon=True,
-                )
-                thread.start()
-                self._threads.append(thread)
+                return None
+            if self._idle:
+                return self._idle.pop()
+            if len(self._all) >= self._size:
+                return None
+            worker = _Worker(f"{self._name}-{len(self._all) + 1}", self)
+            self._all.append(worker)
+        worker.thread.start()
+        return worker
 
-    def _work(self) -> None:
+    def _work(self, worker: _Worker) -> None:
         while True:
-            job = self._jobs.get()
+            job = worker.jobs.get()
             if job is None:
                 return
             if job.claim():
                 job.run()
+            with self._lock:
+                if self._closed:
+                    return
+                self._idle.append(worker)

@@ -52,8 +52,10 @@ class Spy:
         self.victim: bytes | None = None
         self.mode = ""  # "drop" | "stall"
         self.release = threading.Event()
+        self.victim_done = threading.Event()  # the held call has returned (or raised)
         self._lock = threading.Lock()
         self._served = threading.Semaphore(0)
+        self._together: threading.Barrier | None = None
         store = daemon.store
         reserve, acquire = store.reserve, store.acquire
 
@@ -77,10 +79,20 @@ class Spy:
                 raise RuntimeError("test: this connection ends")  # the daemon closes it
             if self.mode == "stall":
                 self.release.wait(HOLD_S)
+                try:
+                    return call()
+                finally:
+                    self.victim_done.set()
         if self.first is not None and self.first in keys:
             for _ in range(self.others):  # the other stripes are served meanwhile
                 assert self._served.acquire(timeout=HOLD_S), "the stripes did not run at once"
             return call()
+        if self.first is not None and self.others > 1:  # and at the same time as each other
+            with self._lock:
+                if self._together is None or self._together.broken:
+                    self._together = threading.Barrier(self.others, timeout=HOLD_S)
+                together = self._together
+            together.wait()
         try:
             return call()
         finally:
@@ -279,6 +291,7 @@ def test_a_deadline_that_runs_out_in_one_stripe_raises_and_the_client_goes_on(
     finally:
         spy.release.set()
     spy.victim = None
+    assert spy.victim_done.wait(HOLD_S)  # then its lease ends with its transfer
     assert wait_for(lambda: daemon.store.stats().active_leases == 0, timeout_s=HOLD_S)
     assert client.transport == "tcp"  # a deadline is the call's failure, not the path's
     if call == "put":  # the stripe that ran to its end stored its pages
