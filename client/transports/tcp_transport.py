@@ -104,7 +104,7 @@ _NOWAIT = socket.MSG_DONTWAIT
 # A client's receive that would block first polls for up to this long (non-blocking tries,
 # yielding the CPU between them) before it sleeps in poll(): a reply that comes within it costs
 # no wake-up by the kernel (the same measure as the lane's, client/transports/lane.py). The
-# daemon's end does not spin (it waits on idle connections).
+# daemon's end polls for up to server.reply_poll_us after each answer (kvstore/tcp_server.py).
 CLIENT_SPIN_S = 100e-6
 
 
