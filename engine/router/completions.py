@@ -99,6 +99,8 @@ async def complete(
             include_usage=include,
             token_ids=body.return_token_ids,
         )
+        # the response starts the events in this task, before it first waits: the run's own
+        # cleanup (closing its open Decode) is in place from there on
         return EventStream(events, headers)
     got = await collect(run)
     content = completion_body(

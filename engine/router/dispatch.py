@@ -9,7 +9,9 @@
    request is decided again without it, up to `max_attempts` times.
 
 It returns a `Run`, whose `tokens()` streams the first token and then the chosen decode
-worker's `Decode` stream (`output_token_ids=[first]`); a co-located worker takes `Decode` alone.
+worker's `Decode` stream (`output_token_ids=[first]`, opened as soon as the Prefill answers, so
+the worker pulls while the first token goes out); a co-located worker takes `Decode` alone. The
+stream's last event (its finish reason) ends the run; the call's trailing status is not awaited.
 A decode stream that breaks before its last event is resumed on another decode-capable worker,
 the one `RouterCore.resume` prices cheapest for the rest of the request, from the tokens produced
 so far (`DecodeRequest.output_token_ids`): the worker pulls the pages
@@ -17,7 +19,11 @@ of prompt + output from the store, recomputes the tail and continues. Events are
 index, so the caller sees every token exactly once, in order. Closing the run (the client went
 away) cancels the gRPC stream, and the worker frees the request's pages.
 
-Observed TTFT and TPOT go to the core's admission hooks and the prediction tracker.
+Observed TTFT (from `Job.received_at`, the request's arrival at the router) and TPOT go to the
+core's admission hooks and the prediction tracker. What the next decision does not need — the
+decision's and the prefill's metrics and `/debug/decisions` record, the live calibration — is
+`Run.deferred` to the run's end (or its DEFERRED_UNTIL_TOKENS-th token), so the router's CPU
+stays off the cores the workers compute the request on; the ledger is updated at once.
 """
 
 from __future__ import annotations
