@@ -2,7 +2,8 @@
 
 Workers come from a static list (flags or the config file) and, with etcd, from the leased keys
 workers register under (`engine.router.membership`). One asyncio task polls every worker's
-unary `Load` every `poll_s` (in parallel, each call with a deadline); the first successful
+unary `Load` every `poll_s` (in parallel, each call with a deadline; a worker whose last poll
+has not ended is skipped, so a silent one does not hold up the others'); the first successful
 contact also calls `Describe`, and the first worker of each model sends its tokenizer files too,
 from which the router builds the model's `ModelText` and `Scope`. A worker whose last report is
 older than `drop_after_s` — it went silent, died, or its host is unreachable — is left out of
@@ -183,12 +184,40 @@ class Registry:
             await self.remove(address)
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_s)
-            try:
-                await self.poll_once()
-            except Exception:  # a bug: log it, keep polling
-                log.exception("registry poll failed")
+        polling: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self.poll_s)
+                try:
+                    await self.poll_round(polling)
+                except Exception:  # a bug: log it, keep polling
+                    log.exception("registry poll failed")
+        finally:
+            for task in polling.values():
+                task.cancel()
+
+    async def poll_round(self, polling: dict[str, asyncio.Task[None]]) -> None:
+        """One round of the periodic polls: every worker whose previous poll has ended is polled
+        again (`polling` holds the polls in flight, by address, across rounds), and the round
+        waits for them at most `poll_s`. A worker that does not answer (stopped, or its host
+        gone: each call waits out its deadline, a Describe 5 s) so holds only its own polls,
+        never the other workers' reports, which keep their age."""
+        for address in [a for a, t in polling.items() if t.done() or a not in self.workers]:
+            task = polling.pop(address)
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is not None:
+                log.error("registry poll of %s failed", address, exc_info=task.exception())
+        started = [
+            polling.setdefault(a, asyncio.create_task(self._poll(h), name=f"strata-poll-{a}"))
+            for a, h in list(self.workers.items())
+            if a not in polling
+        ]
+        if started:
+            await asyncio.wait(started, timeout=self.poll_s)
+        self.polls += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def poll_once(self) -> None:
         """Ask every worker for its load (describing it first if needed), in parallel."""
