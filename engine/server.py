@@ -3,7 +3,8 @@
 The servicers only convert messages (`engine.wire`) and map errors to status codes:
 InvalidRequest → INVALID_ARGUMENT, EngineStopping → UNAVAILABLE, EngineBusy →
 RESOURCE_EXHAUSTED, anything else → INTERNAL (logged). A decode stream whose caller goes away
-is cancelled in the worker, freeing its pages.
+is cancelled in the worker, freeing its pages; one asked for `batch_s` sends its tokens in
+batches (`batched`).
 
 `EngineServer(config)` loads the model, connects the store client, builds the worker of
 `config.role` and serves it; `stop()` is what SIGTERM runs: stop accepting, let in-flight work
@@ -12,9 +13,11 @@ finish (bounded by `drain_timeout_s`), finish publishing, close.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from engine.colocated import ColocatedWorker
 from engine.decode import DecodeWorker
 from engine.errors import EngineBusy, EngineStopping, InvalidRequest
 from engine.prefill import PrefillWorker
+from engine.requests import TokenEvent
 from engine.router.membership import WorkerRegistration, encode_record
 from engine.runtime import ModelRuntime
 from engine.store_link import PageStore
@@ -131,10 +135,45 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             raise
         context.add_callback(stream.cancel)
         try:
+            if request.batch_s > 0:
+                yield from batched(stream, request.batch_s)
+                return
             for event in stream:
                 yield token_event_to_proto(event)
         except Exception as exc:
             _abort(context, exc)
+
+
+def batched(
+    events: Iterable[TokenEvent], batch_s: float, clock: Callable[[], float] = time.monotonic
+) -> Iterator[pb.TokenEvent]:
+    """A decode stream in batches (`DecodeRequest.batch_s`): each message has every token since
+    the last one sent (`token_ids`, the first at `index`) and their text joined, sent when the
+    last was sent `batch_s` ago (by `clock`) or when the stream ends (its finish reason and stats)."""
+    index: int | None = None
+    ids: list[int] = []
+    texts: list[str] = []
+    sent = clock()
+    for event in events:
+        if index is None:
+            index = event.index
+        if event.token_id is not None:
+            ids.append(event.token_id)
+        texts.append(event.text)
+        now = clock()
+        if event.finish_reason is None and now - sent < batch_s:
+            continue
+        msg = token_event_to_proto(
+            dataclasses.replace(
+                event,
+                index=event.index if index is None else index,
+                token_id=None,
+                text="".join(texts),
+            )
+        )
+        msg.token_ids.extend(ids)
+        yield msg
+        index, ids, texts, sent = None, [], [], now
 
 
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):

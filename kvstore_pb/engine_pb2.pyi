@@ -273,10 +273,18 @@ class DecodeRequest(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     NAMESPACE_FIELD_NUMBER: _builtins.int
+    BATCH_S_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_text: _builtins.str
     """the prompt as text"""
     namespace: _builtins.str
+    batch_s: _builtins.float
+    """Batch the stream (> 0): each TokenEvent carries every token sampled since the last one sent
+    (in `token_ids`, the first at `index`) and their text, and is sent once the last one sent is
+    `batch_s` old, or at the end (with the finish reason and stats). For a caller that shows
+    nothing before the end (a non-streamed completion): a few messages instead of one per token,
+    and still one at least every `batch_s` while the worker is alive. 0: one event per token.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the prompt, or"""
@@ -298,10 +306,11 @@ class DecodeRequest(_message.Message):
         output_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingParams | None = ...,
         namespace: _builtins.str = ...,
+        batch_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "output_token_ids", b"output_token_ids", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_s", b"batch_s", "namespace", b"namespace", "output_token_ids", b"output_token_ids", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -351,6 +360,7 @@ class TokenEvent(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     STATS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """the token's position in the output (0 = the first produced)"""
     token_id: _builtins.int
@@ -363,6 +373,10 @@ class TokenEvent(_message.Message):
     def stats(self) -> Global___DecodeStats:
         """on the last event"""
 
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """a batched event's tokens (DecodeRequest.batch_s), from `index`"""
+
     def __init__(
         self,
         *,
@@ -371,10 +385,11 @@ class TokenEvent(_message.Message):
         text: _builtins.str = ...,
         finish_reason: _builtins.str = ...,
         stats: Global___DecodeStats | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_token_id", b"_token_id", "stats", b"stats", "token_id", b"token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_token_id", b"_token_id", "finish_reason", b"finish_reason", "index", b"index", "stats", b"stats", "text", b"text", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_token_id", b"_token_id", "finish_reason", b"finish_reason", "index", b"index", "stats", b"stats", "text", b"text", "token_id", b"token_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__token_id: _TypeAlias = _typing.Literal["token_id"]  # noqa: Y015
     _WhichOneofArgType__token_id: _TypeAlias = _typing.Literal["_token_id", b"_token_id"]  # noqa: Y015

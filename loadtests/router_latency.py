@@ -6,7 +6,8 @@ non-streamed and then streamed:
 
 - `direct`: an ideal client of the workers, doing exactly the RPCs the router does (grpc.aio,
   the client stack the router itself uses): `Prefill` on a prefill worker, then `Decode` on a
-  decode worker from the first token, with a request id, the prompt already as token ids. It
+  decode worker from the first token (in batches for the non-streamed sample, as the router asks
+  for a non-streamed request), with a request id, the prompt already as token ids. It
   calls the pair the router placed its latest request on (its `x-strata-prefill` and
   `x-strata-decode` headers; the first workers before any), so both sides run on the same
   workers in the same proportions: two workers of one role differ by 1-3 ms on the same request
@@ -47,6 +48,7 @@ import grpc.aio
 import httpx
 
 from engine.router.chat import ModelText
+from engine.router.dispatch import DECODE_BATCH_S
 from kvstore_pb import engine_pb2 as pb
 from kvstore_pb.engine_pb2_grpc import DecodeStub, PrefillStub
 from loadtests.raw_http import RawHttp
@@ -214,11 +216,11 @@ async def _measure(
             ttft = time.perf_counter() - t0
             request = pb.DecodeRequest(
                 request_id=rid, prompt_token_ids=ids, output_token_ids=[reply.first_token],
-                sampling=sampling,
+                sampling=sampling, batch_s=DECODE_BATCH_S if full else 0.0,
             )  # fmt: skip
             n = 1
             async for event in dstub.Decode(request, timeout=120):
-                n += event.HasField("token_id")
+                n += len(event.token_ids) or event.HasField("token_id")
             if n != tokens:
                 raise RuntimeError(f"direct produced {n} tokens, asked {tokens}")
             return time.perf_counter() - t0 if full else ttft

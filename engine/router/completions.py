@@ -87,8 +87,8 @@ async def complete(
     )
     run = await service.dispatch(prepared)
     name = prepared.job.model.model_id
-    headers = placement_headers_of(run)
     if body.stream:
+        headers = placement_headers_of(run)
         include = bool(body.stream_options and body.stream_options.include_usage)
         events = sse_events(
             run,
@@ -103,6 +103,7 @@ async def complete(
         # cleanup (closing its open Decode) is in place from there on
         return EventStream(events, headers)
     got = await collect(run)
+    headers = placement_headers_of(run)  # after the answer: the decode worker that finished it
     content = completion_body(
         run,
         got,

@@ -77,6 +77,8 @@ RETRYABLE = frozenset(
 DRIFT_CHECK_S = 1.0
 # A run's decision and prefill bookkeeping waits for its end, or for this many output tokens.
 DEFERRED_UNTIL_TOKENS = 32
+# A non-streamed run's Decode sends its tokens in batches at most this old (DecodeRequest.batch_s)
+DECODE_BATCH_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,9 @@ class Job:
     # when the router received it, on the dispatcher's clock (0: when dispatching starts); its
     # TTFT, exported and scored against the prediction, counts from here
     received_at: float = 0.0
+    # answered whole (not streamed): its Decode sends tokens in batches of DECODE_BATCH_S
+    # (DecodeRequest.batch_s), not one message per token; a resume continues from the last batch
+    whole: bool = False
 
     @property
     def scope(self) -> Scope:
@@ -249,7 +254,9 @@ class Run:
         self._call = call
         events = call.__aiter__()
         # the first event waits for the worker to pull and recompute; later ones for one step
-        wait_s = d.stall_timeout_s(self.placement.predicted_ttft_s, first=True)
+        # (a batch: for its age too)
+        batch_s = self._batch_s
+        wait_s = d.stall_timeout_s(self.placement.predicted_ttft_s + batch_s, first=True)
         try:
             while True:
                 try:
@@ -261,7 +268,7 @@ class Run:
                 except TimeoutError:
                     d.registry.mark_failed(self.decode_id, f"no token for {wait_s:.1f} s")
                     return
-                wait_s = d.stall_timeout_s(self.placement.predicted_tpot_s, first=False)
+                wait_s = d.stall_timeout_s(self.placement.predicted_tpot_s + batch_s, first=False)
                 if event.HasField("stats") and not self.cached_tokens:
                     hit = event.stats.hit_tokens
                     if self.placement.colocated:
@@ -270,18 +277,32 @@ class Run:
                     # the worker stopped before finishing: continue elsewhere
                     d.registry.mark_failed(self.decode_id, "cancelled the stream")
                     return
-                has_token = event.HasField("token_id")
-                if has_token and event.index < len(self.produced):
-                    continue  # a token we already have
-                if has_token and event.index > len(self.produced):
+                if event.token_ids:  # a batch (DecodeRequest.batch_s)
+                    pairs = [(event.index + i, t) for i, t in enumerate(event.token_ids)]
+                elif event.HasField("token_id"):
+                    pairs = [(event.index, event.token_id)]
+                else:
+                    pairs = []
+                have = len(self.produced)
+                fresh = [(i, t) for i, t in pairs if i >= have]
+                if pairs and not fresh and not event.finish_reason:
+                    continue  # tokens we already have
+                if fresh and fresh[0][0] > have:
                     raise HttpError(
                         ErrorKind.upstream_failed,
-                        f"worker {self.decode_id} skipped from token {len(self.produced)} "
-                        f"to {event.index}",
+                        f"worker {self.decode_id} skipped from token {have} to {fresh[0][0]}",
                     )
-                if has_token:
+                if fresh and len(fresh) < len(pairs):
+                    # a batch's text cannot be split between the tokens we have and the rest
+                    raise HttpError(
+                        ErrorKind.upstream_failed,
+                        f"worker {self.decode_id} resent tokens {pairs[0][0]}..{have - 1}",
+                    )
+                if fresh:
                     worker = self.decode_id
-                    self.tokens_by_worker[worker] = self.tokens_by_worker.get(worker, 0) + 1
+                    self.tokens_by_worker[worker] = self.tokens_by_worker.get(worker, 0) + len(
+                        fresh
+                    )
                 if event.HasField("stats"):
                     self.queue_s += event.stats.queue_s
                     split = self.split
@@ -297,12 +318,14 @@ class Run:
                             bytes_per_token=job.model.page_bytes // max(1, job.model.page_tokens),
                         )
                     )
-                token = Token(
-                    event.index,
-                    event.token_id if has_token else None,
-                    event.text,
-                    event.finish_reason,
-                )
+                # the event's text completes its last token (a batch's: all of them)
+                for i, t in fresh[:-1]:
+                    token = Token(i, t, "")
+                    self._accept(token)
+                    yield token
+                last_index, last_id = fresh[-1] if fresh else (event.index, None)
+                text = event.text if fresh or not pairs else ""
+                token = Token(last_index, last_id, text, event.finish_reason)
                 self._accept(token)
                 yield token
                 if event.finish_reason:
@@ -338,8 +361,15 @@ class Run:
             output_token_ids=produced,
             sampling=job.sampling,
             namespace=job.namespace,
+            batch_s=self._batch_s,
         )
         return handle.decode_stub().Decode(request, timeout=d.decode_timeout_s)
+
+    @property
+    def _batch_s(self) -> float:
+        """DECODE_BATCH_S for a job that shows nothing before its end (`Job.whole`) after a
+        prefill (a co-located run's first token comes in its Decode, so it is not batched)."""
+        return DECODE_BATCH_S if self.job.whole and not self.placement.colocated else 0.0
 
     def flush(self) -> None:
         """Run the deferred bookkeeping (once)."""

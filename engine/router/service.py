@@ -226,6 +226,7 @@ class RouterService:
             tenant=caller.tenant,
             namespace=caller.namespace,
             received_at=received_at,
+            whole=not req.stream,
         )
         return Prepared(job, request_id, int(time.time()), caller)
 

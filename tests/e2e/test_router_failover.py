@@ -6,12 +6,15 @@
   router retries), and the dead one is dropped within the bounded time;
 - a decode worker that hangs mid-stream (SIGSTOP): the router gives up on it after its stall
   bound and the stream continues on the other decode worker; the worker is taken back later;
+- a non-streamed request's decode worker that hangs: the answer is completed on the other from
+  its last batch of tokens, the greedy reference's exactly;
 - the decode worker killed with SIGKILL mid-stream: the stream continues on the other decode
   worker, and the client gets exactly the greedy reference's tokens (none missing or repeated).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import signal
@@ -22,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from router_processes import Child, router, wait_for, worker, write_profile
+from router_processes import Child, load_report, router, wait_for, worker, write_profile
 
 from engine.checkpoint import load_checkpoint
 from engine.model import DecoderModel
@@ -214,6 +217,41 @@ def test_decode_worker_that_hangs_mid_stream_is_given_up_on(cluster: Cluster) ->
     assert _retries(cluster.base, "decode") >= resumes + 1
     assert time.monotonic() - began < 30
     # the worker that hung answers again and is taken back
+    wait_for(lambda: cluster.health().get("decode") == 2, 15, "the hung worker's return")
+
+
+def test_a_non_streamed_request_whose_decode_worker_hangs_resumes_from_its_last_batch(
+    cluster: Cluster,
+) -> None:
+    """A non-streamed request's Decode comes in batches (`DecodeRequest.batch_s`): a decode
+    worker that goes silent mid-request is given up on after its stall bound, and the answer is
+    completed on the other from the tokens the router has, the greedy reference's exactly."""
+    prompt = _prompt(7, length=40)
+    count = 400
+    want = cluster.reference(prompt, count)
+    resumes = _retries(cluster.base, "decode")
+    stopped: list[Child] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(_complete, cluster.base, prompt, count)
+
+        def busy() -> str:
+            return next((a for a in cluster.decode if load_report(a).running_requests > 0), "")
+
+        wait_for(lambda: bool(busy()) or reply.done(), 30, "the decode to start")
+        running = busy()
+        assert running, "the request ended before its decode worker could be stopped"
+        cluster.decode[running].signal(signal.SIGSTOP)
+        stopped.append(cluster.decode[running])
+        try:
+            answer = reply.result(timeout=60)
+        finally:
+            for child in stopped:
+                child.signal(signal.SIGCONT)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-strata-decode"] != running
+    assert answer.json()["choices"][0]["token_ids"] == want
+    assert answer.json()["usage"]["completion_tokens"] == count
+    assert _retries(cluster.base, "decode") >= resumes + 1
     wait_for(lambda: cluster.health().get("decode") == 2, 15, "the hung worker's return")
 
 
