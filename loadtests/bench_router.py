@@ -14,6 +14,10 @@ A store daemon, `--prefill` prefill and `--decode` decode workers on the `small`
    `--latency-tokens` output tokens, its prefix already in the store) through the router's HTTP
    API (a text prompt, with httpx and with a raw HTTP/1.1 client) and straight to the workers'
    gRPC services (Prefill, then Decode, with the same token ids), `--reps` interleaved rounds.
+   The router of these rounds runs over the first prefill and decode worker (as `strata up`
+   starts one; `--latency-workers all`: over every worker), so both sides run on the same two
+   workers: over 2 + 2 workers on a 2-core machine the router spreads the rounds and which
+   worker ran the request before weighs more on a request than the router does.
    Non-streamed: the whole response; streamed: TTFT, to the first SSE token through the router vs
    the Prefill answer direct. Reported as p50s and as the median of the paired per-round
    differences (and TTFT ratios) with 95% bootstrap intervals, and the router's CPU per request;
@@ -90,6 +94,9 @@ class Options:
     profile_source: str = "strata"  # strata (strata profile) | workers (router_calibrate)
     model: Path | None = None
     json_path: Path | None = None
+    # the router of the added-latency rounds: over one prefill and one decode worker ("pair", as
+    # strata up starts it), or over all of them ("all")
+    latency_workers: str = "pair"
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +270,8 @@ def run(opts: Options, workdir: Path) -> dict[str, object]:
             profile_source = str(opts.profile)
         quality = fit_quality(tm)
         progress(f"router added latency (router vs direct gRPC, {opts.reps} rounds)")
-        cluster.start_router("strata")
+        pair = [cluster.by_role("prefill")[0], cluster.by_role("decode")[0]]
+        cluster.start_router("strata", workers=pair if opts.latency_workers == "pair" else None)
         assert cluster.router is not None
         endpoints = router_latency.Endpoints(
             cluster.base_url, cluster.by_role("prefill")[0].address,
@@ -272,6 +280,10 @@ def run(opts: Options, workdir: Path) -> dict[str, object]:
         added = router_latency.measure(
             endpoints, reps=opts.reps, prompt_tokens=opts.latency_prompt,
             tokens=opts.latency_tokens,
+        )  # fmt: skip
+        added["router_workers"] = (
+            "1 prefill + 1 decode (strata up's)" if opts.latency_workers == "pair"
+            else f"all: {opts.prefill} prefill + {opts.decode} decode"
         )  # fmt: skip
         runs: list[PolicyRun] = []
         for salt, policy in enumerate(opts.policies):
@@ -293,6 +305,7 @@ def run(opts: Options, workdir: Path) -> dict[str, object]:
             "reps": opts.reps,
             "max_tokens": opts.max_tokens,
             "drop_after_s": opts.drop_after_s,
+            "latency_workers": opts.latency_workers,
         },
         "profile": {
             "source": profile_source,
@@ -401,7 +414,8 @@ def print_latency(add: dict[str, object], tgt: dict[str, object]) -> None:
         return "met" if t["met"] else "NOT met"
 
     print(f"Added latency: {add['reps']} interleaved rounds, {add['prompt_tokens']}-token prompt "
-          f"(in the store), {add['output_tokens']} output tokens, greedy\n")  # fmt: skip
+          f"(in the store), {add['output_tokens']} output tokens, greedy; the router over "
+          f"{add.get('router_workers', 'all workers')}\n")  # fmt: skip
     print("| path | non-streamed p50 | streamed TTFT p50 | leaves out |")
     print("|---|---|---|---|")
     for name, p in paths.items():
@@ -511,6 +525,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router's silent-worker limit (default 3 s here, 1 s in strata up: on a "
         "loaded 2-core machine a busy worker's load report can be late by a second)",
     )
+    p.add_argument(
+        "--latency-workers",
+        choices=("pair", "all"),
+        default="pair",
+        help="the router of the added-latency rounds: over one prefill and one decode worker, "
+        "as strata up starts it (default), or over all of them (it then spreads the rounds over "
+        "workers, and on a machine with fewer cores than worker threads which worker ran the "
+        "request before weighs on each request's time)",
+    )
     p.add_argument("--json", type=Path, dest="json_path")
     p.add_argument("--drills", action="store_true",
                    help="run the operator drills instead (see strata drill --help)")  # fmt: skip
@@ -532,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         decision_workers=ns.decision_workers, decision_seconds=ns.decision_seconds,
         profile=ns.profile, profile_source=ns.profile_source, model=ns.model,
         drop_after_s=ns.drop_after_s,
-        json_path=ns.json_path,
+        json_path=ns.json_path, latency_workers=ns.latency_workers,
     )  # fmt: skip
     if opts.prefill < 1 or opts.decode < 1 or opts.reps < 1:
         print("strata bench router: --prefill, --decode and --reps must be >= 1", file=sys.stderr)

@@ -332,16 +332,20 @@ class RouterCluster:
             args += ["--max-batch", str(self.spec.max_batch)]
         return [*args, *self.spec.worker_args]
 
-    def start_router(self, policy: str, *, timeout_s: float = 120.0) -> str:
-        """(Re)start the router with `policy`; waits until it sees every running worker."""
+    def start_router(
+        self, policy: str, *, timeout_s: float = 120.0, workers: Sequence[Worker] | None = None
+    ) -> str:
+        """(Re)start the router with `policy` over `workers` (default: all); waits until it sees
+        every running one."""
         assert self.store is not None
+        chosen = list(self.workers if workers is None else workers)
         if self.router is not None:
             self.router.stop()
         config = self.workdir / "router.toml"
         config.write_text(self.spec.router_config)
         args = [
             "router", "--config", str(config), "--port", "0",
-            "--workers", ",".join(w.address for w in self.workers),
+            "--workers", ",".join(w.address for w in chosen),
             "--store", self.store.address, "--profile", str(self.profile_path),
             "--policy", policy, "--drop-after", str(self.spec.drop_after_s),
             *self.spec.router_args,
@@ -349,8 +353,8 @@ class RouterCluster:
         self.router = Proc("router", args).start(timeout_s)
         self.base_url = self.router.address.removesuffix("/v1")
         want = {
-            "prefill": sum(1 for w in self.workers if w.role == "prefill" and w.proc.running),
-            "decode": sum(1 for w in self.workers if w.role == "decode" and w.proc.running),
+            "prefill": sum(1 for w in chosen if w.role == "prefill" and w.proc.running),
+            "decode": sum(1 for w in chosen if w.role == "decode" and w.proc.running),
         }
         if not self.wait_health(lambda h: all(h.get(k) == v for k, v in want.items()), timeout_s):
             raise ClusterError(f"the router never saw {want}: {self.health()}")
