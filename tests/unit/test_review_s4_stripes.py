@@ -74,9 +74,7 @@ def _refused_alone(step: BulkPut) -> int | None:
     headers = [PageHeader.decode(bytes(h)) for h in step.headers]
     vouched = prefix_keys(SCOPE.digest, tuple(begin.chain_prefix), PT)
     links = [(h.key, h.parent) for h in headers]
-    return first_unverified(
-        SCOPE.digest, links, lambda k: SCOPE.digest if k in vouched else None
-    )
+    return first_unverified(SCOPE.digest, links, lambda k: SCOPE.digest if k in vouched else None)
 
 
 def _branch(tokens: Sequence[int], at: int, extra: Sequence[int]) -> Page:
