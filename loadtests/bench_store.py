@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--latency-only", action="store_true",
         help="only the per-call rows (lookups of a 512-page chain, a missing get): no batch shapes,"
-        " SSD, full-store or UCX runs; each such row gets --iters timed calls",
+        " SSD, full-store or UCX runs; each such row gets --iters timed calls (at least 50)",
     )
     p.add_argument("--dir", type=Path, help="daemon state folder (default: a temporary one)")
     p.add_argument("--json", type=Path, help="write the results here")
