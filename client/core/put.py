@@ -26,7 +26,6 @@ from client.contract.types import (
     PutResult,
     PutStatus,
     Tier,
-    chain_prefixes_for,
     tokens_le,
 )
 from client.core.frames import chunk_bytes_for, put_messages
@@ -54,7 +53,7 @@ from client.core.steps import (
     StreamPut,
     Together,
 )
-from client.core.stripes import first_failure, stripe_ranges, stripes_verify_alone
+from client.core.stripes import first_failure, stripe_chain_prefixes, stripe_ranges
 from kvstore_pb import store_pb2 as pb
 
 # Same-host puts of at least this many pages go as two halves in flight at once.
@@ -97,8 +96,9 @@ def put(
             else:
                 part = yield from _put_shm(*shm)
         elif path == "bulk":
-            stripes = _stripes(scope, pages, r, route, settings, prefix_tokens)
-            if stripes is not None:
+            striped = _stripes(scope, pages, r, route, settings, prefix_tokens)
+            if striped is not None:
+                stripes, extra = striped
                 part, failed = yield from _put_striped(
                     scope,
                     pages,
@@ -107,8 +107,7 @@ def put(
                     stripes,
                     io,
                     tier,
-                    prefix,
-                    prefix_tokens,
+                    [prefix + mine for mine in extra],
                     route,
                     settings,
                 )
@@ -250,9 +249,10 @@ def _stripes(
     route: Route,
     settings: Settings,
     prefix_tokens: Sequence[int],
-) -> list[range] | None:
-    """The stripes of the batch `batch` of `pages`, as ranges of the call's pages, or None (it
-    goes whole: striping off or not worth it, or a stripe its chain check could refuse)."""
+) -> tuple[list[range], list[list[bytes]]] | None:
+    """The stripes of the batch `batch` of `pages`, as ranges of the call's pages, with the
+    chain prefixes each needs besides the call's (`stripe_chain_prefixes`, encoded); None: it
+    goes whole (striping off or not worth it, or a stripe no prefix can vouch for)."""
     if not route.bulk_stripes:
         return None
     sizes = [p.header.payload_bytes for p in pages[batch.start : batch.stop]]
@@ -260,7 +260,10 @@ def _stripes(
     if parts is None:
         return None
     stripes = [range(batch.start + r.start, batch.start + r.stop) for r in parts]
-    return stripes if stripes_verify_alone(scope, pages, stripes, prefix_tokens) else None
+    extra = stripe_chain_prefixes(scope, pages, stripes, prefix_tokens)
+    if extra is None:
+        return None
+    return stripes, [[tokens_le(t) for t in mine] for mine in extra]
 
 
 def _put_striped(
@@ -271,21 +274,15 @@ def _put_striped(
     stripes: Sequence[range],
     io: IoClass,
     tier: Tier | None,
-    chain_prefix: list[bytes],
-    prefix_tokens: Sequence[int],
+    prefixes: Sequence[list[bytes]],
     route: Route,
     settings: Settings,
 ) -> Plan[tuple[Statuses, bool]]:
     """The batch `batch` of `pages` (with `views` their payloads) as `stripes` (ranges of the
-    call's pages) sent at once; the merged statuses, and whether the bulk path failed under a
-    stripe (that stripe then went over gRPC). Stripe k > 0 carries, besides `chain_prefix`, the
-    tokens from its run's root to its pages (`chain_prefixes_for`), so the daemon verifies it
-    whichever stripe it reserves first. The first typed error of a stripe is raised once all
-    have ended."""
-    prefixes = [
-        chain_prefix + [tokens_le(t) for t in chain_prefixes_for(scope, pages, r, prefix_tokens)]
-        for r in stripes
-    ]
+    call's pages) sent at once, each with its chain prefixes (`prefixes`: the call's and those
+    of `stripe_chain_prefixes`, so the daemon verifies it whichever stripe it reserves first);
+    the merged statuses, and whether the bulk path failed under a stripe (that stripe then went
+    over gRPC). The first typed error of a stripe is raised once all have ended."""
     steps = tuple(
         BulkPut(
             _begin(scope, io, tier, len(r), prefix),

@@ -99,24 +99,84 @@ def stripe_ranges(sizes: Sequence[int], striping: Striping) -> list[range] | Non
     return ranges
 
 
-def stripes_verify_alone(
+def stripe_chain_prefixes(
     scope: Scope, pages: Sequence[Page], ranges: Sequence[range], prefix_tokens: Sequence[int]
-) -> bool:
-    """Whether each stripe of a put can pass the daemon's key-chain check (kvstore/chain.py)
-    when it arrives before the stripes ahead of it: true when every stripe either starts a
-    new run of the chain, or continues a run that `chain_prefixes_for` can vouch for (one rooted
-    at the scope digest, or at `prefix_tokens` for a run from `pages[0]`). A run from a parent
-    only the node knows cannot be vouched for: such a put goes whole."""
-    for r in ranges[1:]:
-        j = r.start
-        if pages[j].header.parent != pages[j - 1].header.key:
-            continue  # a new run: its parent does not come from an earlier stripe
-        while j > 0 and pages[j].header.parent == pages[j - 1].header.key:
-            j -= 1
-        rooted = pages[j].header.parent == scope.digest or (j == 0 and bool(prefix_tokens))
-        if not rooted:
-            return False
-    return True
+) -> list[list[list[int]]] | None:
+    """For each stripe of a batch of a put (`ranges` of the call's `pages`), the chain prefixes
+    (kvstore/chain.py: token ids from the scope digest on) that let the daemon verify it when
+    it arrives before the stripes ahead of it: for every page of an earlier stripe that a page
+    of this one follows, the token ids of the path from a root to that page (through pages of
+    the call, earlier batches included). A root is the scope digest,
+    or, given `prefix_tokens` (the prompt's pages before `pages[0]`), the parent of `pages[0]`.
+    None when such a page's path leads to a parent only the node knows: then no prefix can
+    vouch for it, and the put goes whole. Pure."""
+    index: dict[bytes, int] = {}
+    for i, page in enumerate(pages):
+        index.setdefault(page.header.key, i)
+    stripe_of = [-1] * len(pages)  # pages outside `ranges` (an earlier batch) are stored by now
+    for k, r in enumerate(ranges):
+        for i in r:
+            stripe_of[i] = k
+    out: list[list[list[int]]] = []
+    for k, r in enumerate(ranges):
+        needed = sorted(
+            {
+                j
+                for i in r
+                if (j := index.get(pages[i].header.parent, -1)) >= 0 and 0 <= stripe_of[j] < k
+            }
+        )
+        prefixes: list[list[int]] = []
+        for j in needed:
+            path = _path_to(scope, pages, index, j, prefix_tokens)
+            if path is None:
+                return None
+            prefixes.append(path)
+        out.append(_deepest(prefixes))
+    return out
+
+
+def _path_to(
+    scope: Scope,
+    pages: Sequence[Page],
+    index: dict[bytes, int],
+    j: int,
+    prefix_tokens: Sequence[int],
+) -> list[int] | None:
+    """The token ids from a root through page j (see `stripe_chain_prefixes`), or None."""
+    chain = [j]
+    for _ in range(len(pages)):  # a walk back through earlier pages of the call
+        parent = pages[chain[-1]].header.parent
+        if parent == scope.digest:
+            base: Sequence[int] = ()
+            break
+        up = index.get(parent, -1)
+        if 0 <= up < chain[-1]:
+            chain.append(up)
+            continue
+        if prefix_tokens and parent == pages[0].header.parent:
+            base = prefix_tokens
+            break
+        return None
+    else:
+        return None
+    path = list(base)
+    for i in reversed(chain):
+        path.extend(pages[i].header.tokens)
+    return path
+
+
+def _deepest(prefixes: list[list[int]]) -> list[list[int]]:
+    """`prefixes` without those another one starts with (every key a prefix chains to is
+    vouched for, so a path's own start adds nothing)."""
+    return [
+        p
+        for n, p in enumerate(prefixes)
+        if not any(
+            m != n and len(q) >= len(p) and q[: len(p)] == p and (len(q) > len(p) or m < n)
+            for m, q in enumerate(prefixes)
+        )
+    ]
 
 
 def first_failure(outcomes: Sequence[object], ranges: Sequence[range]) -> BaseException | None:

@@ -35,8 +35,8 @@ from client.core.stripes import (
     Striping,
     parse_bytes,
     resolve_striping,
+    stripe_chain_prefixes,
     stripe_ranges,
-    stripes_verify_alone,
 )
 from kvstore_pb import store_pb2 as pb
 
@@ -85,14 +85,34 @@ def test_options_resolve_from_arguments_then_environment_then_defaults() -> None
         Striping(17, 1)
 
 
-def test_only_stripes_whose_chain_can_be_vouched_for_are_cut() -> None:
+def test_each_stripe_carries_the_paths_to_the_earlier_pages_it_follows() -> None:
+    n = SCOPE.layout.page_tokens
     cut = [range(0, 3), range(3, 6)]
-    assert stripes_verify_alone(SCOPE, PAGES, cut, ())  # rooted at the scope digest
-    tail = PAGES[2:]  # follows a page only the node knows
-    assert not stripes_verify_alone(SCOPE, tail, [range(0, 2), range(2, 4)], ())
-    assert stripes_verify_alone(SCOPE, tail, [range(0, 2), range(2, 4)], TOKENS[: 2 * 16])
-    other = build_pages(SCOPE, [7] * 32, [b"\0" * PAGE] * 2)  # a second prompt: a new run
-    assert stripes_verify_alone(SCOPE, [*tail[:2], *other], [range(0, 2), range(2, 4)], ())
+    # one chain from the scope digest: the second stripe follows page 2
+    assert stripe_chain_prefixes(SCOPE, PAGES, cut, ()) == [[], [TOKENS[: 3 * n]]]
+    tail = PAGES[2:]  # follows a page only the node knows: nothing can vouch for it
+    assert stripe_chain_prefixes(SCOPE, tail, [range(0, 2), range(2, 4)], ()) is None
+    assert stripe_chain_prefixes(SCOPE, tail, [range(0, 2), range(2, 4)], TOKENS[: 2 * n]) == [
+        [],
+        [TOKENS[: 4 * n]],
+    ]
+    other = build_pages(SCOPE, [7] * 2 * n, [b"\0" * PAGE] * 2)  # a second prompt: nothing needed
+    assert stripe_chain_prefixes(SCOPE, [*tail[:2], *other], [range(0, 2), range(2, 4)], ()) == [
+        [],
+        [],
+    ]
+    # a branch: page B1 continues page 0, as page 1 does; the deepest path is enough
+    b1 = build_pages(SCOPE, [*TOKENS[:n], *[9] * n], [b"\0" * PAGE], first_page=1)[0]
+    pages = [PAGES[0], PAGES[1], b1, PAGES[2]]
+    assert stripe_chain_prefixes(SCOPE, pages, [range(0, 2), range(2, 4)], ()) == [
+        [],
+        [TOKENS[: 2 * n]],
+    ]
+    # pages of an earlier batch count as stored: only this batch's stripes need paths
+    assert stripe_chain_prefixes(SCOPE, PAGES, [range(3, 4), range(4, 6)], ()) == [
+        [],
+        [TOKENS[: 4 * n]],
+    ]
 
 
 def _drive_to_together(plan: object) -> tuple[Run[object], Together]:
