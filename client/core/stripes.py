@@ -24,6 +24,11 @@ from client.contract.types import Page
 DEFAULT_STRIPES = 2  # four measured no better than two on a 2-core host (docs/benchmarks.md)
 DEFAULT_STRIPE_MIN_BYTES = 8 << 20
 MAX_STRIPES = 16
+# A put whose later stripe follows more earlier pages than this, or needs more token ids of
+# prefixes, goes whole (the paths would cost more than the stripes gain; the daemon takes at
+# most 4 MiB of prefixes, kvstore/chain.py MAX_PREFIX_BYTES).
+MAX_STRIPE_PARENTS = 64
+MAX_STRIPE_PREFIX_TOKENS = 1 << 18
 STRIPES_ENV = "STRATA_STORE_TCP_STRIPES"
 STRIPE_BYTES_ENV = "STRATA_STORE_TCP_STRIPE_BYTES"
 
@@ -108,8 +113,9 @@ def stripe_chain_prefixes(
     of this one follows, the token ids of the path from a root to that page (through pages of
     the call, earlier batches included). A root is the scope digest,
     or, given `prefix_tokens` (the prompt's pages before `pages[0]`), the parent of `pages[0]`.
-    None when such a page's path leads to a parent only the node knows: then no prefix can
-    vouch for it, and the put goes whole. Pure."""
+    None when such a page's path leads to a parent only the node knows (no prefix can vouch
+    for it), or the paths pass `MAX_STRIPE_PARENTS` pages or `MAX_STRIPE_PREFIX_TOKENS` token
+    ids: then the put goes whole. Pure."""
     index: dict[bytes, int] = {}
     for i, page in enumerate(pages):
         index.setdefault(page.header.key, i)
@@ -126,13 +132,18 @@ def stripe_chain_prefixes(
                 if (j := index.get(pages[i].header.parent, -1)) >= 0 and 0 <= stripe_of[j] < k
             }
         )
+        if len(needed) > MAX_STRIPE_PARENTS:
+            return None
         prefixes: list[list[int]] = []
         for j in needed:
             path = _path_to(scope, pages, index, j, prefix_tokens)
             if path is None:
                 return None
             prefixes.append(path)
-        out.append(_deepest(prefixes))
+        kept = _deepest(prefixes)
+        if sum(map(len, kept)) > MAX_STRIPE_PREFIX_TOKENS:
+            return None
+        out.append(kept)
     return out
 
 

@@ -30,6 +30,7 @@ from client.core.steps import BULK_FAILED, BulkGet, BulkPut, StreamGet, StreamPu
 from client.core.stripes import (
     DEFAULT_STRIPE_MIN_BYTES,
     DEFAULT_STRIPES,
+    MAX_STRIPE_PARENTS,
     STRIPE_BYTES_ENV,
     STRIPES_ENV,
     Striping,
@@ -108,6 +109,22 @@ def test_each_stripe_carries_the_paths_to_the_earlier_pages_it_follows() -> None
         [],
         [TOKENS[: 2 * n]],
     ]
+    # a stripe following more earlier pages than MAX_STRIPE_PARENTS: the put goes whole
+    many = [build_pages(SCOPE, [i] * n, [b"\0" * PAGE])[0] for i in range(MAX_STRIPE_PARENTS + 1)]
+    children = [
+        build_pages(SCOPE, [*[i] * n, *[5] * n], [b"\0" * PAGE] * 2)[1] for i in range(len(many))
+    ]
+    cut = [range(0, len(many)), range(len(many), 2 * len(many))]
+    assert stripe_chain_prefixes(SCOPE, [*many, *children], cut, ()) is None
+    assert (
+        stripe_chain_prefixes(
+            SCOPE,
+            [*many[1:], *children[1:]],
+            [range(0, len(many) - 1), range(len(many) - 1, 2 * len(many) - 2)],
+            (),
+        )
+        is not None
+    )
     # pages of an earlier batch count as stored: only this batch's stripes need paths
     assert stripe_chain_prefixes(SCOPE, PAGES, [range(3, 4), range(4, 6)], ()) == [
         [],
