@@ -12,6 +12,7 @@ cut into stripes the daemon refuses with ChainRejected when the later stripe lan
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import pytest
 from conftest import make_scope
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client.contract.page import PageHeader
-from client.contract.types import IoClass, Limits, Page, build_pages
+from client.contract.types import IoClass, Limits, Page, PutStatus, build_pages
 from client.core import put as put_op
 from client.core.retry import RetryPolicy
 from client.core.route import Route, Settings
@@ -67,14 +68,18 @@ def _stripe_steps(
     return None
 
 
-def _refused_alone(step: BulkPut) -> int | None:
-    """The daemon's chain check of one stripe on a node holding no other page of the call:
-    the index of the first page it refuses, or None."""
+def _refused_alone(
+    step: BulkPut, stored: frozenset[bytes] | set[bytes] = frozenset()
+) -> int | None:
+    """The daemon's chain check of one stripe on a node holding no other page of the call
+    (but `stored`): the index of the first page it refuses, or None."""
     begin = pb.PutBegin.FromString(step.begin)
     headers = [PageHeader.decode(bytes(h)) for h in step.headers]
     vouched = prefix_keys(SCOPE.digest, tuple(begin.chain_prefix), PT)
     links = [(h.key, h.parent) for h in headers]
-    return first_unverified(SCOPE.digest, links, lambda k: SCOPE.digest if k in vouched else None)
+    return first_unverified(
+        SCOPE.digest, links, lambda k: SCOPE.digest if k in vouched or k in stored else None
+    )
 
 
 def _branch(tokens: Sequence[int], at: int, extra: Sequence[int]) -> Page:
@@ -124,3 +129,76 @@ def test_any_forest_of_pages_is_cut_only_into_stripes_that_verify_alone(
     assert sum(len(s.headers) for s in steps) == len(pages)
     for k, step in enumerate(steps):
         assert _refused_alone(step) is None, f"stripe {k + 1} of {len(steps)}: {parents}"
+
+
+def _checked_put(pages: Sequence[Page], stripes: int, per_call: int, prompt: Sequence[int]) -> int:
+    """Drive a put plan of `pages` (after the prompt `prompt`, sent as its prefix tokens) over
+    batches of `per_call` pages; check every stripe (and every whole batch) as the daemon
+    checks it on a node that holds only the pages of earlier batches. The number of batches
+    that went as stripes."""
+    limits = Limits(
+        max_keys_per_call=per_call,
+        max_page_bytes=0,
+        max_message_bytes=0,
+        chunk_bytes=0,
+        lease_ttl_ms=0,
+    )
+    plan = put_op.put(
+        SCOPE,
+        pages,
+        io_class=None,
+        tier=None,
+        chain_prefixes=(),
+        prefix_tokens=prompt,
+        settings=_settings(stripes),
+        client_pid=1,
+    )
+    run = Run(plan)
+    run.advance()
+    step = run.advance(Route(limits=limits, bulk=True, bulk_lookups=True, bulk_stripes=True))
+    stored: set[bytes] = set()
+    striped = 0
+    for _ in range(len(pages) + 1):  # one step a batch
+        if step is None:
+            return striped
+        parts = step.steps if isinstance(step, Together) else (step,)
+        assert all(isinstance(s, BulkPut) for s in parts), step
+        striped += isinstance(step, Together)
+        for k, part in enumerate(cast(tuple[BulkPut, ...], parts)):
+            assert _refused_alone(part, stored) is None, f"part {k + 1} of {len(parts)}"
+        outcomes = tuple((PutStatus.STORED,) * len(s.headers) for s in parts)
+        for part in parts:
+            stored.update(PageHeader.decode(bytes(h)).key for h in part.headers)
+        step = run.advance(outcomes if isinstance(step, Together) else outcomes[0])
+    raise AssertionError("the plan did not end")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    parents=st.lists(st.integers(min_value=-2, max_value=9), min_size=2, max_size=10),
+    stripes=st.integers(min_value=2, max_value=4),
+    per_call=st.integers(min_value=2, max_value=10),
+)
+def test_any_forest_after_a_prompt_over_batches_verifies_stripe_by_stripe(
+    parents: list[int], stripes: int, per_call: int
+) -> None:
+    """Page i continues the scope digest (-1), the prompt before the call (-2, or an index
+    not before it), or page parents[i]."""
+    prompt = [50_000 + t for t in range(2 * PT)]
+    pages: list[Page] = []
+    paths: list[list[int]] = []
+    for i, p in enumerate(parents):
+        base = paths[p] if 0 <= p < i else [] if p == -1 else prompt
+        path = [*base, *([200 + i] * PT)]
+        paths.append(path)
+        pages.append(build_pages(SCOPE, path, [bytes([i]) * PAGE], first_page=len(base) // PT)[0])
+    # a page continuing the prompt verifies through the call's prefix tokens (whole, too)
+    after_prompt = any(p == -2 or p >= i for i, p in enumerate(parents))
+    _checked_put(pages, stripes, per_call, prompt if after_prompt else ())
+
+
+def test_a_chain_after_a_prompt_over_batches_is_still_striped() -> None:
+    prompt = [50_000 + t for t in range(2 * PT)]
+    tokens = [*prompt, *range(PT * 8)]
+    pages = build_pages(SCOPE, tokens, [bytes([i]) * PAGE for i in range(8)], first_page=2)
+    assert _checked_put(pages, 2, 4, prompt) == 2  # both batches cut, every part verifies
