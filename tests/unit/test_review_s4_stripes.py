@@ -161,10 +161,11 @@ def _checked_put(pages: Sequence[Page], stripes: int, per_call: int, prompt: Seq
     for _ in range(len(pages) + 1):  # one step a batch
         if step is None:
             return striped
-        parts = step.steps if isinstance(step, Together) else (step,)
-        assert all(isinstance(s, BulkPut) for s in parts), step
+        sent = step.steps if isinstance(step, Together) else (step,)
+        assert all(isinstance(s, BulkPut) for s in sent), step
+        parts = cast(tuple[BulkPut, ...], sent)
         striped += isinstance(step, Together)
-        for k, part in enumerate(cast(tuple[BulkPut, ...], parts)):
+        for k, part in enumerate(parts):
             assert _refused_alone(part, stored) is None, f"part {k + 1} of {len(parts)}"
         outcomes = tuple((PutStatus.STORED,) * len(s.headers) for s in parts)
         for part in parts:
