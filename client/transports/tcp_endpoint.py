@@ -42,7 +42,11 @@ def tune_socket(sock: socket.socket) -> None:
 
 
 class ByteStream(abc.ABC):
-    """A bulk-path endpoint over a byte stream (TCP, plain or TLS)."""
+    """A bulk-path endpoint over a byte stream (TCP, plain or TLS). `received` counts the bytes
+    `recv` has delivered so far, so a caller can tell a connection that ended before any reply
+    (safe to send the call again) from one that ended part-way through it."""
+
+    received: int = 0
 
     @abc.abstractmethod
     async def send(self, data: Any) -> None:
@@ -96,6 +100,7 @@ class SocketEndpoint(ByteStream):
                         self.abort()
                         raise EndpointClosed("the peer closed the TCP connection")
                     got += n
+                    self.received += n
             except OSError as exc:
                 self.abort()
                 raise EndpointClosed(f"TCP receive failed: {exc}") from None
@@ -216,6 +221,7 @@ class TlsEndpoint(ByteStream):
                     self.abort()
                     raise EndpointClosed("the peer closed the TLS connection")
                 got += n
+                self.received += n
 
     def abort(self) -> None:
         """End the connection at once (no TLS close alert). Idempotent, any thread."""

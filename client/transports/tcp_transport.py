@@ -621,21 +621,29 @@ class AsyncTcpTransport:
     async def _call(self, make: Callable[[], Op[T]], timeout_s: float) -> T:
         if self._closed:
             raise TransportFailed("the TCP transport is closed")
-        fresh = False
-        while True:
-            if self._idle:
-                ep = self._idle.pop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s  # one deadline for the call, whatever it resends
+        for _ in range(MAX_IDLE_CONNECTIONS + 1):  # kept connections the daemon closed, then a new one
+            fresh = not self._idle
+            if fresh:
+                left = max(deadline - loop.time(), 0.001)
+                ep = await self._connect(min(left, CONNECT_TIMEOUT_S))
             else:
-                ep, fresh = await self._connect(min(timeout_s, CONNECT_TIMEOUT_S)), True
+                ep = self._idle.pop()
+            before = ep.received
             try:
-                result: T = await asyncio.wait_for(drive_async(ep, make()), max(timeout_s, 0.001))
+                result: T = await asyncio.wait_for(
+                    drive_async(ep, make()), max(deadline - loop.time(), 0.001)
+                )
             except RemoteError as remote:
                 self._keep(ep)
                 raise remote.error from None
             except EndpointClosed as exc:
                 ep.abort()
-                if not fresh:
-                    continue  # a kept connection the daemon closed meanwhile
+                if not fresh and ep.received == before:
+                    continue  # a kept connection the daemon closed before this call: again
+                # a fresh connection, or one that ended part-way through the reply: a put may
+                # have landed, so it is not sent again here (the caller's fallback decides)
                 raise TransportFailed(f"transfer with {self.address} failed: {exc}") from None
             except TimeoutError:
                 ep.abort()
@@ -645,6 +653,7 @@ class AsyncTcpTransport:
                 raise
             self._keep(ep)
             return result
+        raise TransportFailed(f"no usable connection to {self.address}")
 
     def _keep(self, ep: ByteStream) -> None:
         if not self._closed and len(self._idle) < MAX_IDLE_CONNECTIONS:
