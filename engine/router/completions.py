@@ -18,6 +18,8 @@ answer starts is logged and answered as a 500 OpenAI-style error; the server kee
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 
@@ -32,7 +34,13 @@ from engine.router.dispatch import Run
 from engine.router.http_errors import HttpError, error_response
 from engine.router.protocol import ChatCompletionRequest, CompletionRequest
 from engine.router.service import SLO_HEADER, RouterService
-from engine.router.streaming import EventStream, collect, completion_body, sse_events
+from engine.router.streaming import (
+    Collected,
+    EventStream,
+    collect,
+    completion_body,
+    sse_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +80,13 @@ async def complete(
     x_api_key: str | None,
     slo_header: str | None,
     received_at: float = 0.0,
+    receive: Receive | None = None,
 ) -> Response:
     """One completion from its body's bytes and headers: dispatched, then the SSE stream or the
     whole answer. `received_at`: when the request arrived, on the dispatcher's clock (0: now).
+    `receive`: the request's ASGI receive, its body already read; while a whole answer is being
+    collected it is watched, and a client that disconnects cancels the run (its decode stops
+    and the worker frees its pages) and raises ClientGone.
     Raises RouterError (HttpError) for anything the caller is to be told."""
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
@@ -102,7 +114,7 @@ async def complete(
         # the response starts the events in this task, before it first waits: the run's own
         # cleanup (closing its open Decode) is in place from there on
         return EventStream(events, headers)
-    got = await collect(run)
+    got = await collect(run) if receive is None else await _collect_while_connected(run, receive)
     headers = placement_headers_of(run)  # after the answer: the decode worker that finished it
     content = completion_body(
         run,
@@ -114,6 +126,34 @@ async def complete(
         token_ids=body.return_token_ids,
     )
     return Response(content, media_type="application/json", headers=headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its whole answer was ready; its run was cancelled."""
+
+
+async def _collect_while_connected(run: Run, receive: Receive) -> Collected:
+    """`collect(run)`, unless the client disconnects first: then the run is closed (its Decode
+    cancelled, counted as cancelled) and ClientGone raised."""
+
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    collecting = asyncio.ensure_future(collect(run))
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((collecting, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not collecting.done():  # the client went away (or this task was cancelled)
+            collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await collecting
+            await run.close()
+    if collecting.cancelled():
+        raise ClientGone
+    return collecting.result()
 
 
 class CompletionsFront:
@@ -147,7 +187,10 @@ class CompletionsFront:
                 x_api_key=found.get(b"x-api-key"),
                 slo_header=found.get(_SLO),
                 received_at=received_at,
+                receive=receive,
             )
+        except ClientGone:
+            return  # nothing to answer: the run is cancelled and counted
         except RouterError as exc:
             self.service.metrics.observe_error(exc.kind.value)
             response = error_response(exc)

@@ -8,6 +8,7 @@ the same latency split (`strata_timings`) as a streamed one's last chunk."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -384,6 +385,53 @@ def test_client_disconnect_frees_the_decode_workers_pages(stack: Stack) -> None:
     assert load_report(stack.decode).running_requests == 0
     metrics = stack.http.get("/metrics").text
     assert 'outcome="cancelled"' in metrics
+
+
+def test_client_disconnect_from_a_whole_answer_frees_the_decode_workers_pages(
+    stack: Stack,
+) -> None:
+    """A non-streamed request whose client goes away while its answer is being collected: the
+    router cancels the decode (counted as cancelled) and the worker frees the pages."""
+    idle = load_report(stack.decode)
+    assert idle.running_requests == 0
+    cancelled_before = _cancelled_count(stack.http.get("/metrics").text)
+    body = json.dumps(
+        {"model": MODEL, "prompt": "x " * 30, "max_tokens": 900, "ignore_eos": True}
+    ).encode()
+    url = httpx.URL(stack.root)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {url.host}:{url.port}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((url.host, url.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        wait_for(
+            lambda: load_report(stack.decode).running_requests == 1,
+            30,
+            "the decode worker to run the request",
+        )
+        assert load_report(stack.decode).free_pages < idle.free_pages
+    # the connection is closed with no answer read: the router cancels the run
+    wait_for(
+        lambda: load_report(stack.decode).free_pages == idle.free_pages,
+        10,
+        "the decode worker's pages to be freed",
+    )
+    assert load_report(stack.decode).running_requests == 0
+    wait_for(
+        lambda: _cancelled_count(stack.http.get("/metrics").text) > cancelled_before,
+        10,
+        "the run to be counted as cancelled",
+    )
+
+
+def _cancelled_count(metrics: str) -> float:
+    """The sum of the router's finished-request counters with outcome="cancelled"."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if not line.startswith("#") and 'outcome="cancelled"' in line and "_total" in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def test_no_worker_gives_503(tmp_path: Path) -> None:
