@@ -41,6 +41,7 @@ from client.transports.lane_protocol import (
     LaneClosed,
     recv_exact,
 )
+from client.transports.socket_io import NOWAIT, recv_some, remaining, wait_ready
 from kvstore_pb.store_pb2_grpc import StoreStub
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
@@ -156,7 +157,7 @@ class Lane:
                 return self._idle.pop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(_left(deadline))
+            sock.settimeout(remaining(deadline))
         except TimeoutError:
             sock.close()
             raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "lane call timed out") from None
@@ -283,30 +284,10 @@ _FIRST_READ = 16 << 10  # a reply this small (a miss, a lookup, most acquires) i
 # of one missing page: 174-186 us p50 sleeping at once, 114-119 us with this (interleaved blocks
 # against one daemon); the cost is at most this much CPU a call.
 _SPIN_S = 100e-6
-_NOWAIT = socket.MSG_DONTWAIT
 
 
 def _deadline(timeout: float | None) -> float:
     return math.inf if timeout is None else time.monotonic() + timeout
-
-
-def _left(deadline: float) -> float | None:
-    """Seconds left before `deadline` (None: no deadline); TimeoutError once it has passed."""
-    if deadline == math.inf:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    return left
-
-
-def _wait(sock: socket.socket, events: int, deadline: float) -> None:
-    """Sleep until `sock` is ready for `events`; TimeoutError past `deadline`."""
-    left = _left(deadline)
-    poller = select.poll()
-    poller.register(sock, events)
-    if not poller.poll(None if left is None else max(math.ceil(left * 1000), 1)):
-        raise TimeoutError
 
 
 def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
@@ -314,28 +295,9 @@ def _send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
     sent = 0
     while sent < len(data):
         try:
-            sent += sock.send(memoryview(data)[sent:] if sent else data, _NOWAIT)
+            sent += sock.send(memoryview(data)[sent:] if sent else data, NOWAIT)
         except BlockingIOError:
-            _wait(sock, select.POLLOUT, deadline)
-
-
-def _recv(sock: socket.socket, view: memoryview, deadline: float, spin: bool = False) -> int:
-    """One receive into `view` (0: the peer closed) before `deadline`; with `spin`, one that
-    would block is tried again for up to `_SPIN_S` (yielding the CPU) before it sleeps."""
-    spin_until = 0.0
-    while True:
-        try:
-            return sock.recv_into(view, 0, _NOWAIT)
-        except BlockingIOError:
-            if spin:
-                now = time.perf_counter()
-                if not spin_until:
-                    spin_until = now + _SPIN_S
-                if now < spin_until:
-                    os.sched_yield()
-                    continue
-                spin = False
-            _wait(sock, select.POLLIN, deadline)
+            wait_ready(sock, select.POLLOUT, deadline)
 
 
 def _read_reply(sock: socket.socket, deadline: float = math.inf) -> tuple[int, int, bytes]:
@@ -346,7 +308,7 @@ def _read_reply(sock: socket.socket, deadline: float = math.inf) -> tuple[int, i
     view = memoryview(buf)
     got = 0
     while got < head:
-        n = _recv(sock, view[got:], deadline, spin=not got)
+        n = recv_some(sock, view[got:], deadline, 0.0 if got else _SPIN_S)
         if n == 0:
             raise LaneClosed("lane closed by peer")
         got += n
@@ -358,7 +320,7 @@ def _read_reply(sock: socket.socket, deadline: float = math.inf) -> tuple[int, i
         view, got, total = memoryview(out), got - head, length
         head = 0
     while got < total:
-        n = _recv(sock, view[got:total], deadline)
+        n = recv_some(sock, view[got:total], deadline)
         if n == 0:
             raise LaneClosed("lane closed by peer")
         got += n

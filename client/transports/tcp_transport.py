@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import select
 import socket
 import ssl
@@ -31,6 +30,7 @@ from typing import TypeVar
 
 from client.contract.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from client.contract.types import PutStatus
+from client.transports.socket_io import NOWAIT, recv_some, remaining, wait_ready
 from client.transports.tcp_endpoint import (
     TLS_HANDSHAKE_TIMEOUT_S,
     ByteStream,
@@ -85,59 +85,11 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER_BYTES)
 
 
-def _remaining(deadline: float) -> float | None:
-    """The socket timeout left before `deadline` (None: no deadline, `math.inf`)."""
-    if deadline == math.inf:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    return left
-
-
-# Plain sockets stay in blocking mode, and each receive or send is first tried without
-# waiting (MSG_DONTWAIT): when the bytes are there (a reply usually is by the time its request
-# has been sent, the daemon having run meanwhile) the call is one syscall. Only a try that
-# would block waits, in one poll() bounded by the deadline. (A Python socket with a timeout
-# instead polls before every call and takes an ioctl for every change of its timeout.)
-_NOWAIT = socket.MSG_DONTWAIT
 # A client's receive that would block first polls for up to this long (non-blocking tries,
 # yielding the CPU between them) before it sleeps in poll(): a reply that comes within it costs
 # no wake-up by the kernel (the same measure as the lane's, client/transports/lane.py). The
 # daemon's end polls for up to server.reply_poll_us after each answer (kvstore/tcp_server.py).
 CLIENT_SPIN_S = 100e-6
-
-
-def _wait(sock: socket.socket, events: int, deadline: float) -> None:
-    """Block until `sock` is ready for `events`; TimeoutError past `deadline`."""
-    left = _remaining(deadline)
-    poller = select.poll()
-    poller.register(sock, events)
-    if not poller.poll(None if left is None else max(math.ceil(left * 1000), 1)):
-        raise TimeoutError
-
-
-def recv_some(
-    sock: socket.socket, into: memoryview, deadline: float, spin_s: float = 0.0
-) -> int:
-    """One receive into `into` (0: the peer closed), waiting at most until `deadline`; with
-    `spin_s`, a receive that would block is retried for that long before it sleeps."""
-    if isinstance(sock, ssl.SSLSocket):
-        sock.settimeout(_remaining(deadline))
-        return sock.recv_into(into)
-    spin_until = 0.0
-    while True:
-        try:
-            return sock.recv_into(into, 0, _NOWAIT)
-        except BlockingIOError:
-            if spin_s:
-                now = time.perf_counter()
-                if not spin_until:
-                    spin_until = now + spin_s
-                if now < spin_until:
-                    os.sched_yield()
-                    continue
-            _wait(sock, select.POLLIN, deadline)
 
 
 def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadline: float) -> None:
@@ -150,19 +102,19 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadlin
                 small += part
                 continue
             if small:
-                sock.settimeout(_remaining(deadline))
+                sock.settimeout(remaining(deadline))
                 sock.sendall(small)
                 small.clear()
-            sock.settimeout(_remaining(deadline))
+            sock.settimeout(remaining(deadline))
             sock.sendall(part)
         if small:
-            sock.settimeout(_remaining(deadline))
+            sock.settimeout(remaining(deadline))
             sock.sendall(small)
         return
     if len(parts) == 1:  # one buffer (a small request): a plain send, usually all at once
         part = parts[0]
         try:
-            sent = sock.send(part, _NOWAIT)
+            sent = sock.send(part, NOWAIT)
         except BlockingIOError:
             sent = 0
         if sent == len(part):
@@ -171,9 +123,9 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadlin
     pending = [memoryview(p).cast("B") for p in parts if len(p)]
     while pending:
         try:
-            sent = sock.sendmsg(pending[:_MAX_IOV], (), _NOWAIT)
+            sent = sock.sendmsg(pending[:_MAX_IOV], (), NOWAIT)
         except BlockingIOError:
-            _wait(sock, select.POLLOUT, deadline)
+            wait_ready(sock, select.POLLOUT, deadline)
             continue
         while sent and pending:
             n = pending[0].nbytes
@@ -184,7 +136,7 @@ def send_parts(sock: socket.socket, parts: Sequence[bytes | memoryview], deadlin
                 pending[0] = pending[0][sent:]
                 sent = 0
         if pending and deadline != math.inf:
-            _remaining(deadline)  # a peer taking a trickle does not stretch the deadline
+            remaining(deadline)  # a peer taking a trickle does not stretch the deadline
 
 
 def recv_exact(sock: socket.socket, into: memoryview, deadline: float) -> int:
@@ -216,9 +168,9 @@ def recv_many(sock: socket.socket, parts: Sequence[memoryview], deadline: float)
     got = 0
     while pending:
         try:
-            n, _, _, _ = sock.recvmsg_into(pending[:_MAX_IOV], 0, _NOWAIT)
+            n, _, _, _ = sock.recvmsg_into(pending[:_MAX_IOV], 0, NOWAIT)
         except BlockingIOError:
-            _wait(sock, select.POLLIN, deadline)
+            wait_ready(sock, select.POLLIN, deadline)
             continue
         if n == 0:
             return got
@@ -232,7 +184,7 @@ def recv_many(sock: socket.socket, parts: Sequence[memoryview], deadline: float)
                 pending[0] = pending[0][n:]
                 n = 0
         if pending and deadline != math.inf:
-            _remaining(deadline)
+            remaining(deadline)
     return got
 
 
