@@ -2,7 +2,9 @@
 batched by the node's limit, each checked against the key, scope and token ids asked for.
 
 Pure: yields steps (client/core/steps.py). Same host: Acquire, then the copy out of the leased
-slots, then the lease released in the background (the get pays one round trip). Bulk (UCX or
+slots, then the lease released in the background (the get pays one round trip); a get of at
+least `PIPELINE_MIN_PAGES` sends the Acquires of its parts at once, a small one first, and
+copies each part while the daemon leases the next (still one round trip waited for). Bulk (UCX or
 TCP): one transfer straight into the buffers; should the path itself fail, this batch and the
 rest go over gRPC. A large batch on the TCP path goes as stripes (client/core/stripes.py): one
 Get of each contiguous part, all at once on connections of their own (`Together`); a stripe
@@ -13,9 +15,11 @@ A page dropped by verification is a miss, reported in one `Dropped` step.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import cast
 
+from client.contract.errors import StrataError
 from client.contract.page import PageHeader
 from client.contract.scope import KEY_BYTES, Scope
 from client.contract.types import (
@@ -27,10 +31,13 @@ from client.contract.types import (
 )
 from client.core.assembler import GetAssembler
 from client.core.requests import (
+    PIPELINE_MIN_PAGES,
     batch_ranges,
     destination_views,
     io_class_value,
+    malformed,
     packed_keys,
+    pipeline_bounds,
     scope_bytes,
 )
 from client.core.retry import call, retried
@@ -42,8 +49,10 @@ from client.core.steps import (
     Connect,
     CopyOut,
     Dropped,
+    Join,
     Plan,
     Release,
+    Start,
     StreamGet,
     Together,
 )
@@ -85,7 +94,10 @@ def get(
         batch = (scope, part_keys, packed, part_views, io, check, settings)
         part: tuple[Headers, int] | None = None
         if path == "shm":
-            part = yield from _get_shm(*batch)
+            if len(part_keys) >= PIPELINE_MIN_PAGES and route.pipelined:
+                part = yield from _get_shm_pipelined(*batch)
+            else:
+                part = yield from _get_shm(*batch)
         elif path == "bulk":
             stripes = (
                 stripe_ranges([page_bytes] * len(r), settings.striping)
@@ -147,6 +159,79 @@ def _get_shm(
         if reply.lease_id:
             yield Release(reply.lease_id)
     return copied
+
+
+def _get_shm_pipelined(
+    scope: Scope,
+    keys: Sequence[bytes],
+    packed: bytes,
+    into: Sequence[memoryview],
+    io: IoClass,
+    verify: bool,
+    settings: Settings,
+) -> Plan[tuple[Headers, int]]:
+    """`_get_shm` as parts in flight at once: every part's Acquire is sent before the first
+    reply is read, the first part small (`pipeline_bounds`), so each part is copied while the
+    daemon leases the next; each lease is released once its part is copied. Should an Acquire
+    fail, every lease granted is released; a retryable failure sends the batch again as one
+    `_get_shm` (a get is idempotent; its retries apply there), any other is raised."""
+    bounds = pipeline_bounds(len(keys), small_last=False)
+    parts = list(itertools.pairwise(bounds))
+    handles: list[object] = []
+    for a, b in parts:
+        request = pb.AcquireRequest(
+            scope_digest=scope.digest,
+            keys=packed[a * KEY_BYTES : b * KEY_BYTES],
+            io_class=io_class_value(io),
+            scope=scope_bytes(scope),
+        )
+        handles.append((yield Start("Acquire", request, settings.timeout_s)))
+    failed: StrataError | None = None
+    headers: list[PageHeader | bytes | None] = []
+    corrupt = 0
+    checked = False
+    for k, (a, b) in enumerate(parts):
+        try:
+            reply = yield Join(handles[k])
+            if not isinstance(reply, pb.AcquireResponse):
+                raise malformed(f"Acquire answered {type(reply).__name__}")
+        except StrataError as exc:  # the others are still read, so their leases go back
+            failed = failed or exc
+            continue
+        if failed is not None:
+            if reply.lease_id:
+                yield Release(reply.lease_id)
+            continue
+        missed = _all_missed(reply, b - a)
+        if missed is not None:  # nothing leased here, nothing to copy
+            headers.extend(missed[0])
+            continue
+        if not checked:  # once a call: a daemon restart breaks the lane anyway
+            yield CheckSegments(reply.lease_id)  # on failure the shell releases this lease
+            checked = True
+        try:
+            got, dropped = cast(
+                tuple[Headers, int], (yield CopyOut(reply, scope, keys[a:b], into[a:b], verify))
+            )
+        except BaseException:
+            for handle in handles[k + 1 :]:  # read the leases still coming, and release them
+                try:
+                    pending = yield Join(handle)
+                except Exception:  # its lease runs out on its own
+                    continue
+                if isinstance(pending, pb.AcquireResponse) and pending.lease_id:
+                    yield Release(pending.lease_id)
+            raise
+        finally:
+            if reply.lease_id:
+                yield Release(reply.lease_id)
+        headers.extend(got)
+        corrupt += dropped
+    if failed is not None:
+        if not failed.retryable:
+            raise failed
+        return (yield from _get_shm(scope, keys, packed, into, io, verify, settings))
+    return tuple(headers), corrupt
 
 
 def _all_missed(reply: pb.AcquireResponse, count: int) -> tuple[Headers, int] | None:

@@ -3,8 +3,8 @@ limit; one status per page.
 
 Pure: yields steps (client/core/steps.py). Same host: Reserve, the copy into the reserved
 slots, Commit; a reservation not committed is released. A put of at least `PIPELINE_MIN_PAGES`
-goes, where the shell can keep two calls in flight, as two halves overlapped (the daemon
-reserves, then commits, one half while the other is copied). Bulk (UCX or TCP): one transfer;
+goes, where the shell can keep two calls in flight, as parts overlapped (the daemon
+reserves, then commits, one part while another is copied; `pipeline_bounds`). Bulk (UCX or TCP): one transfer;
 should the path itself fail, this batch and the rest go over gRPC. A large batch on the TCP path
 goes as stripes (client/core/stripes.py): one put of each contiguous part, all at once on
 connections of their own (`Together`), each carrying the chain prefix that vouches for its
@@ -31,10 +31,12 @@ from client.contract.types import (
 from client.core.frames import chunk_bytes_for, put_messages
 from client.core.replies import put_statuses_from_proto
 from client.core.requests import (
+    PIPELINE_MIN_PAGES,
     batch_ranges,
     io_class_value,
     malformed,
     payload_views,
+    pipeline_bounds,
     tier_value,
 )
 from client.core.retry import call, retried
@@ -55,10 +57,6 @@ from client.core.steps import (
 )
 from client.core.stripes import first_failure, stripe_chain_prefixes, stripe_ranges
 from kvstore_pb import store_pb2 as pb
-
-# Same-host puts of at least this many pages go as two halves in flight at once.
-PIPELINE_MIN_PAGES = 16
-_PIPELINE_PARTS = 2  # four measured no better
 
 Statuses = tuple[PutStatus, ...]
 
@@ -173,13 +171,13 @@ def _put_shm_pipelined(
     client_pid: int,
     settings: Settings,
 ) -> Plan[Statuses]:
-    """`_put_shm` as two halves in flight: the second half's reservation is asked for as soon
-    as the first's is granted (the daemon verifies a half's key chain from pages it has
-    reserved or stored, kvstore/chain.py); each half is copied as soon as its slots arrive and
-    its commit sent at once. All pages are visible when this returns; on any failure, whatever
-    was reserved and not committed is released."""
-    count = min(_PIPELINE_PARTS, len(pages) // (PIPELINE_MIN_PAGES // 2))
-    bounds = [len(pages) * k // count for k in range(count + 1)]
+    """`_put_shm` as parts in flight (`pipeline_bounds`: a small first and last part, two
+    halves of the rest between): the next part's reservation is asked for as soon as one is
+    granted (the daemon verifies a part's key chain from pages it has reserved or stored,
+    kvstore/chain.py); each part is copied as soon as its slots arrive and its commit sent at
+    once. All pages are visible when this returns; on any failure, whatever was reserved and
+    not committed is released."""
+    bounds = pipeline_bounds(len(pages), small_last=True)
     parts = [(pages[a:b], views[a:b]) for a, b in itertools.pairwise(bounds)]
     timeout = settings.timeout_s
 
@@ -192,6 +190,7 @@ def _put_shm_pipelined(
     committing: list[object] = []
     leases: list[int] = []  # reserved, not yet known to be committed
     statuses: list[PutStatus] = []
+    checked = False
     try:
         for k, (_, part_views) in enumerate(parts):
             reply = yield Join(unread.pop(0))
@@ -201,7 +200,9 @@ def _put_shm_pipelined(
                 leases.append(reply.lease_id)
             if k + 1 < len(parts):
                 unread.append((yield reserve(parts[k + 1][0])))
-            yield CheckSegments(reply.lease_id)
+            if not checked and reply.lease_id:  # once a call: a restart breaks the lane anyway
+                yield CheckSegments(reply.lease_id)
+                checked = True
             statuses.extend(cast(Statuses, (yield CopyIn(reply, part_views))))
             if reply.lease_id:
                 commit = pb.CommitRequest(lease_id=reply.lease_id)

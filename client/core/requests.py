@@ -82,6 +82,26 @@ def batch_ranges(count: int, limit: int) -> list[range]:
     return [range(start, min(start + step, count)) for start in range(0, count, step)]
 
 
+# Same-host puts and gets of at least this many pages go as parts in flight at once.
+PIPELINE_MIN_PAGES = 16
+
+
+def pipeline_bounds(count: int, *, small_last: bool) -> list[int]:
+    """Where a same-host batch of `count` pages (at least `PIPELINE_MIN_PAGES`) is cut into
+    parts in flight at once: the first part a sixteenth, so its reply comes back soonest and
+    the copy starts early. A get (every Acquire sent at once) grows by three times (1/16, 3/16,
+    the rest): each part's lease is granted while the one before it is copied. A put
+    (`small_last`: its last Commit is waited for) ends with a sixteenth too and halves the
+    middle, so neither the first reservation nor the last commit is waited for long."""
+    if count < PIPELINE_MIN_PAGES:
+        raise ValueError(f"a pipelined batch has at least {PIPELINE_MIN_PAGES} pages, got {count}")
+    end = count // 16
+    if small_last:
+        middle = count - 2 * end
+        return [0, end, end + middle // 2, count - end, count]
+    return [0, end, 4 * end, count]
+
+
 def io_class_value(io_class: IoClass) -> pb.IoClass.ValueType:
     return pb.IoClass.ValueType(int(io_class))
 

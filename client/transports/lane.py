@@ -280,10 +280,12 @@ _FIRST_READ = 16 << 10  # a reply this small (a miss, a lookup, most acquires) i
 
 # Before it sleeps on a reply, a call polls the socket for up to this long (non-blocking tries,
 # yielding the CPU between them): most lane replies come within it, and a thread that never
-# sleeps is not woken by the kernel. Measured on the 2-core development machine, a same-host get
-# of one missing page: 174-186 us p50 sleeping at once, 114-119 us with this (interleaved blocks
-# against one daemon); the cost is at most this much CPU a call.
-_SPIN_S = 100e-6
+# sleeps is not woken by the kernel. Measured on the 2-core development machine: a same-host get
+# of one missing page, 174-186 us p50 sleeping at once, 114-119 us polling 100 us; the first
+# reservation and last commit of a pipelined 64 x 1 MiB put take 0.1-0.3 ms, past 100 us, and
+# polling 500 us took that put from 0.71-0.79x memcpy to 0.79-0.82x (interleaved runs). The cost
+# is at most this much CPU a call, of a thread that would otherwise wait idle.
+_SPIN_S = 500e-6
 
 
 def _deadline(timeout: float | None) -> float:

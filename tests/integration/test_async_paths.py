@@ -47,6 +47,7 @@ from client import (
 )
 from client.contract.errors import PermissionDenied, Unauthenticated, Unavailable
 from client.transports.tls import TlsOptions
+from loadtests.daemon import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -198,7 +199,7 @@ def test_wrong_tokens_are_a_rejected_miss_and_damage_a_corrupt_one(
     assert client.transport == path
 
 
-def test_a_large_same_host_put_goes_in_two_overlapped_halves(
+def test_large_same_host_puts_and_gets_go_in_overlapped_parts(
     daemon_factory: DaemonFactory, async_clients: list[Blocking], scope: Scope
 ) -> None:
     daemon = daemon_factory(ssd=None)
@@ -212,27 +213,31 @@ def test_a_large_same_host_put_goes_in_two_overlapped_halves(
         return await take(stub, conn, step)
 
     shell._take = recording  # type: ignore[method-assign]
-    pages = chain(scope, 40, seed=45)
+    pages = chain(scope, 40, seed=45)  # parts of 2, 18, 18 and 2 pages
     assert client.put(scope, pages).stored == 40
-    # both reservations in flight before the first copy; both commits sent before either is read
+    # each reservation asked for as the one before is granted, before that one's copy; each
+    # commit sent as soon as its part is copied, all read at the end
     assert taken == [
-        ("Start", "Reserve"),
-        ("Join", ""),
-        ("Start", "Reserve"),
-        ("CheckSegments", ""),
-        ("CopyIn", ""),
-        ("Start", "Commit"),
-        ("Join", ""),
-        ("CheckSegments", ""),
-        ("CopyIn", ""),
-        ("Start", "Commit"),
-        ("Join", ""),
-        ("Join", ""),
-    ]
+        ("Start", "Reserve"), ("Join", ""), ("Start", "Reserve"), ("CheckSegments", ""),
+        ("CopyIn", ""), ("Start", "Commit"),
+        ("Join", ""), ("Start", "Reserve"), ("CopyIn", ""), ("Start", "Commit"),
+        ("Join", ""), ("Start", "Reserve"), ("CopyIn", ""), ("Start", "Commit"),
+        ("Join", ""), ("CopyIn", ""), ("Start", "Commit"),
+        ("Join", ""), ("Join", ""), ("Join", ""), ("Join", ""),
+    ]  # fmt: skip
+    taken.clear()
     into = buffers(scope, 40)
     assert client.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 40
+    # every Acquire (parts of 2, 6 and 32) in flight before the first reply is read
+    assert taken == [
+        ("Start", "Acquire"), ("Start", "Acquire"), ("Start", "Acquire"),
+        ("Join", ""), ("CheckSegments", ""), ("CopyOut", ""), ("Release", ""),
+        ("Join", ""), ("CopyOut", ""), ("Release", ""),
+        ("Join", ""), ("CopyOut", ""), ("Release", ""),
+    ]  # fmt: skip
     assert [bytes(b) for b in into] == [bytes(p.payload) for p in pages]
     assert moved(daemon, "shm", "in") == 40 * scope.page_payload_bytes
+    assert wait_for(lambda: daemon.store.stats().active_leases == 0, timeout_s=10)
     daemon.check()
 
 

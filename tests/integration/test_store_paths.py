@@ -532,11 +532,10 @@ def test_same_host_put_is_counted_in_its_io_class(
     assert moved.get(("shm", "in", IoClass.BACKGROUND)) == 2 * PAGE_BYTES
 
 
-def test_a_large_same_host_put_goes_in_two_halves(
-    daemon_factory: DaemonFactory, scope: Scope
-) -> None:
-    """Puts of 16 pages or more are pipelined (both reservations at once, each half committed as
-    soon as it is copied): every page stored and intact, no lease left behind."""
+def test_a_large_same_host_put_goes_in_parts(daemon_factory: DaemonFactory, scope: Scope) -> None:
+    """Puts of 16 pages or more are pipelined (each part's reservation asked for as the one
+    before it is granted, each part committed as soon as it is copied): every page stored and
+    intact, no lease left behind."""
     d = daemon_factory(dram="8MiB", ssd=None)
     shm = d.client(shared_memory=True)
     pages = chain(scope, 40, seed=61)
@@ -550,7 +549,7 @@ def test_a_large_same_host_put_goes_in_two_halves(
     d.check()
 
 
-def test_a_pipelined_put_whose_second_half_fails_leaves_no_lease(
+def test_a_pipelined_put_whose_second_part_fails_leaves_no_lease(
     daemon_factory: DaemonFactory, scope: Scope, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     d = daemon_factory(dram="8MiB", ssd=None)
@@ -560,23 +559,48 @@ def test_a_pipelined_put_whose_second_half_fails_leaves_no_lease(
 
     def second_fails(*args: object, **kwargs: object) -> object:
         calls.append(1)
-        if len(calls) == 2:  # whichever half the daemon serves second
+        if len(calls) == 2:  # the second part's reservation
             raise CapacityExhausted("no room (injected)", retry_after_s=0.5)
         return real_reserve(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(d.store, "reserve", second_fails)
-    pages = chain(scope, 32, seed=63)  # halves of 16, both asked for at once
+    pages = chain(scope, 32, seed=63)  # parts of 2, 14, 14 and 2 pages
     with pytest.raises(CapacityExhausted):
         shm.put(scope, pages)
-    assert len(calls) == 2
+    assert len(calls) == 2  # the third part was never asked for
     assert wait_for(lambda: d.store.stats().active_leases == 0, timeout_s=10)
     d.check()
     stored = [p for p in pages if rpc.lookup(scope, [p.header.key]).hit_count]
-    assert stored in ([], pages[:16], pages[16:])  # the other half may have been committed
+    assert stored in ([], pages[:2])  # the first part may have been committed
     assert_intact(rpc, scope, stored)
     monkeypatch.setattr(d.store, "reserve", real_reserve)
     assert shm.put(scope, pages).stored == 32 - len(stored)  # and the store serves on
     assert_intact(shm, scope, pages)
+
+
+def test_a_large_same_host_get_goes_in_parts_and_serves_every_page_it_holds(
+    daemon_factory: DaemonFactory, scope: Scope
+) -> None:
+    """Gets of 16 pages or more send their parts' Acquires at once (parts of 2, 6 and 24 pages
+    for 32): the pages held come back intact in their buffers, in order, misses in any part
+    stay misses, and every lease goes back."""
+    d = daemon_factory(dram="8MiB", ssd=None)
+    shm = d.client(shared_memory=True)
+    pages = chain(scope, 32, seed=67)
+    gone = (1, 5, 6, 20)  # a miss in every part
+    assert shm.put(scope, pages).stored == 32
+    assert shm.delete(keys=[pages[i].header.key for i in gone]) == len(gone)
+    held = [p for i, p in enumerate(pages) if i not in gone]
+    into = buffers(scope, 32)
+    got = shm.get(scope, [p.header.key for p in pages], into, tokens=None)
+    for i, p in enumerate(pages):
+        if i in gone:
+            assert got.headers[i] is None
+        else:
+            assert got.headers[i] == p.header and bytes(into[i]) == p.payload
+    assert got.hit_count == len(held)
+    assert wait_for(lambda: d.store.stats().active_leases == 0, timeout_s=10)
+    d.check()
 
 
 def test_a_same_host_get_of_missing_keys_is_a_counted_miss_without_a_lease(

@@ -9,6 +9,7 @@ failure, pages dropped by verification counted, token mismatches rejected.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -24,7 +25,7 @@ from client.contract.errors import (
     Unavailable,
 )
 from client.contract.types import IoClass, Limits
-from client.core import admin, get, lookup, put
+from client.core import admin, get, lookup, put, requests
 from client.core.frames import TAG_GET_CHUNK, chunk_message
 from client.core.retry import RetryPolicy
 from client.core.route import Route, Settings, get_path, put_path, verifies
@@ -320,6 +321,102 @@ def test_a_same_host_get_releases_its_lease_even_when_the_copy_fails() -> None:
         run(get_plan(pages), Route(LIMITS, same_host=True), broken)
 
 
+def test_a_large_same_host_get_asks_for_every_part_at_once_and_copies_each_as_it_comes() -> None:
+    pages = singles(SCOPE, get.PIPELINE_MIN_PAGES * 2, seed=4)  # parts of 2, 6 and 24 pages
+    sizes = [2, 6, 24]
+    fail: dict[int, StrataError] = {}
+
+    def answer(step: Step) -> object:
+        if isinstance(step, Start):
+            assert step.method == "Acquire" and isinstance(step.request, pb.AcquireRequest)
+            k = len(started)
+            started.append(len(step.request.keys) // 16)
+            return ("handle", k)
+        if isinstance(step, Join):
+            _, k = step.handle  # type: ignore[misc]
+            if k in fail:
+                raise fail[k]
+            if k == 1:  # a part of misses only: nothing leased, nothing copied
+                return pb.AcquireResponse(pages=[pb.AcquiredPage()] * sizes[k])
+            return pb.AcquireResponse(lease_id=100 + k, pages=[pb.AcquiredPage(present=True)])
+        if isinstance(step, CopyOut):
+            assert isinstance(step.reply, pb.AcquireResponse)
+            if step.reply.lease_id == 200:  # the whole batch in one
+                return tuple(p.header for p in pages), 0
+            k = step.reply.lease_id - 100
+            start = sum(sizes[:k])
+            assert list(step.keys) == keys_of(pages)[start : start + sizes[k]]
+            return tuple(p.header for p in pages[start : start + sizes[k]]), 0
+        if isinstance(step, Call):  # the whole batch again, after a retryable failure
+            return pb.AcquireResponse(lease_id=200, pages=[pb.AcquiredPage(present=True)])
+        return None
+
+    route = Route(LIMITS, same_host=True, pipelined=True)
+    started: list[int] = []
+    result, steps = run(get_plan(pages), route, answer)
+    assert started == sizes
+    assert kinds(steps) == [
+        "Connect",
+        "Start:Acquire",
+        "Start:Acquire",
+        "Start:Acquire",
+        "Join",
+        "CheckSegments",
+        "CopyOut",
+        "Release",
+        "Join",
+        "Join",
+        "CopyOut",
+        "Release",
+    ]  # fmt: skip  (every Acquire sent before the first reply is read)
+    assert [s for s in steps if isinstance(s, Release)] == [Release(100), Release(102)]
+    assert isinstance(result, GetResult)
+    assert result.headers == (
+        *(p.header for p in pages[:2]), *(None,) * 6, *(p.header for p in pages[8:])
+    )  # fmt: skip
+
+    # the same get not pipelined (a lane that cannot keep two calls in flight): one Acquire
+    started = []
+    _, steps = run(get_plan(pages), Route(LIMITS, same_host=True), answer)
+    assert kinds(steps)[:2] == ["Connect", "Call:Acquire"] and started == []
+
+    # the middle Acquire fails, retryably: the leases granted go back, the batch goes again whole
+    started, fail = [], {1: Unavailable("lane hiccup")}
+    _, steps = run(get_plan(pages), route, answer)
+    assert [s for s in steps if isinstance(s, Release)] == [
+        Release(100),
+        Release(102),
+        Release(200),
+    ]
+    assert kinds(steps)[-4:] == ["Call:Acquire", "CheckSegments", "CopyOut", "Release"]
+    # ... not retryably: raised, with every lease granted released and nothing asked again
+    started, fail = [], {0: InvalidArgument("bad scope")}
+    recorded: list[Step] = []
+
+    def recording(step: Step) -> object:
+        recorded.append(step)
+        return answer(step)
+
+    with pytest.raises(InvalidArgument):
+        run(get_plan(pages), route, recording)
+    assert [s for s in recorded if isinstance(s, Release)] == [Release(102)]
+    assert not any(isinstance(s, Call | CopyOut) for s in recorded)
+
+    # a copy fails: its lease and the ones still coming are released, the error raised
+    started, fail = [], {}
+    recorded = []
+
+    def copy_breaks(step: Step) -> object:
+        recorded.append(step)
+        if isinstance(step, CopyOut):
+            raise Unavailable("segment gone")
+        return answer(step)
+
+    with pytest.raises(Unavailable):
+        run(get_plan(pages), route, copy_breaks)
+    assert [s for s in recorded if isinstance(s, Release)] == [Release(102), Release(100)]
+
+
 def test_a_page_served_for_other_tokens_is_rejected() -> None:
     pages = singles(SCOPE, 2, seed=5)
     wrong = [tokens_of(pages)[1], tokens_of(pages)[1]]
@@ -433,36 +530,78 @@ def test_a_same_host_put_reserves_copies_commits_and_releases_on_failure() -> No
     assert recorded[-1] == Release(5)
 
 
-def test_a_large_same_host_put_overlaps_its_halves_and_releases_all_on_failure() -> None:
-    pages = chain(SCOPE, put.PIPELINE_MIN_PAGES, seed=13)
-    half = len(pages) // 2
-    leases = iter([21, 22])
-    copies = 0
+def test_pipeline_bounds_start_small_and_cover_every_page() -> None:
+    for count in (16, 17, 40, 64, 100, 512):
+        for small_last in (True, False):
+            bounds = requests.pipeline_bounds(count, small_last=small_last)
+            sizes = [b - a for a, b in itertools.pairwise(bounds)]
+            assert bounds[0] == 0 and bounds[-1] == count and min(sizes) >= 1
+            assert sizes[0] == count // 16  # the first reply comes back soonest
+            if small_last:
+                assert len(sizes) == 4 and sizes[-1] == sizes[0]  # so is the last commit
+            else:
+                assert len(sizes) == 3 and sizes[1] == 3 * sizes[0]  # each leased in time
+    assert requests.pipeline_bounds(64, small_last=True) == [0, 4, 32, 60, 64]
+    assert requests.pipeline_bounds(64, small_last=False) == [0, 4, 16, 64]
+    with pytest.raises(ValueError, match="at least 16"):
+        requests.pipeline_bounds(15, small_last=True)
+
+
+def test_a_large_same_host_put_overlaps_its_parts_and_releases_all_on_failure() -> None:
+    pages = chain(SCOPE, 2 * put.PIPELINE_MIN_PAGES, seed=13)
+    sizes = [2, 14, 14, 2]  # pipeline_bounds(32, small_last=True)
+    leases = iter([21, 22, 23, 24])
+    copied: list[int] = []
+    reserved: list[Step] = []
+    fail_at = 0
 
     def answer(step: Step) -> object:
-        nonlocal copies
         if isinstance(step, Start):
-            return ("handle", step.method, next(leases) if step.method == "Reserve" else 0)
+            if step.method == "Reserve":
+                assert isinstance(step.request, pb.ReserveRequest)
+                assert len(step.request.headers) == sizes[len(reserved)]  # asked in order
+                reserved.append(step)
+                return ("handle", step.method, next(leases))
+            return ("handle", step.method, 0)
         if isinstance(step, Join):
             _, method, lease = step.handle  # type: ignore[misc]
             return (
                 pb.ReserveResponse(lease_id=lease) if method == "Reserve" else pb.CommitResponse()
             )
         if isinstance(step, CopyIn):
-            copies += 1
-            assert len(step.payloads) == half
-            if copies == 2 and fail:
+            copied.append(len(step.payloads))
+            if len(copied) == fail_at:
                 raise Unavailable("segment gone")
-            return (PutStatus.STORED,) * half
+            return (PutStatus.STORED,) * len(step.payloads)
         return None
 
-    fail = False
     result, steps = run(put_plan(pages), Route(LIMITS, same_host=True, pipelined=True), answer)
     assert result == PutResult((PutStatus.STORED,) * len(pages))
+    assert copied == sizes
     assert kinds(steps) == [
-        "Connect", "Start:Reserve", "Join", "Start:Reserve", "CheckSegments", "CopyIn",
-        "Start:Commit", "Join", "CheckSegments", "CopyIn", "Start:Commit", "Join", "Join",
-    ]  # fmt: skip
+        "Connect",
+        "Start:Reserve",
+        "Join",
+        "Start:Reserve",
+        "CheckSegments",
+        "CopyIn",
+        "Start:Commit",
+        "Join",
+        "Start:Reserve",
+        "CopyIn",
+        "Start:Commit",
+        "Join",
+        "Start:Reserve",
+        "CopyIn",
+        "Start:Commit",
+        "Join",
+        "CopyIn",
+        "Start:Commit",
+        "Join",
+        "Join",
+        "Join",
+        "Join",
+    ]  # fmt: skip  (the segments are checked once a call)
 
     # the same without pipelining: one reservation for all
     def whole(step: Step) -> object:
@@ -476,8 +615,8 @@ def test_a_large_same_host_put_overlaps_its_halves_and_releases_all_on_failure()
 
     result, steps = run(put_plan(pages), Route(LIMITS, same_host=True), whole)
     assert kinds(steps) == ["Connect", "Call:Reserve", "CheckSegments", "CopyIn", "Call:Commit"]
-    # the second copy fails: the first commit is cancelled, both leases released
-    fail, copies, leases = True, 0, iter([31, 32])
+    # the third copy fails: the two commits sent are cancelled, every lease released
+    fail_at, copied, reserved, leases = 3, [], [], iter([31, 32, 33, 34])
     recorded: list[Step] = []
 
     def recording(step: Step) -> object:
@@ -486,8 +625,13 @@ def test_a_large_same_host_put_overlaps_its_halves_and_releases_all_on_failure()
 
     with pytest.raises(Unavailable):
         run(put_plan(pages), Route(LIMITS, same_host=True, pipelined=True), recording)
-    assert sum(isinstance(s, Cancel) for s in recorded) == 1
-    assert [s for s in recorded if isinstance(s, Release)] == [Release(31), Release(32)]
+    assert sum(isinstance(s, Cancel) for s in recorded) == 2
+    assert [s for s in recorded if isinstance(s, Release)] == [
+        Release(31),
+        Release(32),
+        Release(33),
+        Release(34),
+    ]  # fmt: skip  (the fourth was asked for before the third copy: read, then released)
 
 
 def test_a_put_is_never_retried_and_a_failed_bulk_path_goes_on_over_grpc() -> None:
