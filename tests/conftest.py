@@ -270,6 +270,15 @@ def clients(daemon: RunningDaemon) -> Clients:
 
 
 @pytest.fixture
+def pipelined_small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same-host batches of the tests' small pages go as parts in flight, as batches of at
+    least `PIPELINE_MIN_BYTES` do (client/core/requests.py)."""
+    import client.core.requests
+
+    monkeypatch.setattr(client.core.requests, "PIPELINE_MIN_BYTES", 0)
+
+
+@pytest.fixture
 def scope() -> Scope:
     return make_scope()
 

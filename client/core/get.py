@@ -3,8 +3,9 @@ batched by the node's limit, each checked against the key, scope and token ids a
 
 Pure: yields steps (client/core/steps.py). Same host: Acquire, then the copy out of the leased
 slots, then the lease released in the background (the get pays one round trip); a get of at
-least `PIPELINE_MIN_PAGES` sends the Acquires of its parts at once, a small one first, and
-copies each part while the daemon leases the next (still one round trip waited for). Bulk (UCX or
+least `PIPELINE_MIN_PAGES` and `PIPELINE_MIN_BYTES` (`pipelines`) sends the Acquires of its
+parts at once, a small one first, and copies each part while the daemon leases the next (still
+one round trip waited for). Bulk (UCX or
 TCP): one transfer straight into the buffers; should the path itself fail, this batch and the
 rest go over gRPC. A large batch on the TCP path goes as stripes (client/core/stripes.py): one
 Get of each contiguous part, all at once on connections of their own (`Together`); a stripe
@@ -31,13 +32,13 @@ from client.contract.types import (
 )
 from client.core.assembler import GetAssembler
 from client.core.requests import (
-    PIPELINE_MIN_PAGES,
     batch_ranges,
     destination_views,
     io_class_value,
     malformed,
     packed_keys,
     pipeline_bounds,
+    pipelines,
     scope_bytes,
 )
 from client.core.retry import call, retried
@@ -94,7 +95,7 @@ def get(
         batch = (scope, part_keys, packed, part_views, io, check, settings)
         part: tuple[Headers, int] | None = None
         if path == "shm":
-            if len(part_keys) >= PIPELINE_MIN_PAGES and route.pipelined:
+            if route.pipelined and pipelines(len(part_keys), page_bytes):
                 part = yield from _get_shm_pipelined(*batch)
             else:
                 part = yield from _get_shm(*batch)

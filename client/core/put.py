@@ -3,9 +3,9 @@ limit; one status per page.
 
 Pure: yields steps (client/core/steps.py). Same host: Reserve, the copy into the reserved
 slots, Commit; a reservation not committed is released. A put of at least `PIPELINE_MIN_PAGES`
-goes, where the shell can keep two calls in flight, as parts overlapped (the daemon
-reserves, then commits, one part while another is copied; `pipeline_bounds`). Bulk (UCX or TCP): one transfer;
-should the path itself fail, this batch and the rest go over gRPC. A large batch on the TCP path
+and `PIPELINE_MIN_BYTES` (`pipelines`) goes, where the shell can keep two calls in flight, as
+parts overlapped (the daemon reserves, then commits, one part while another is copied;
+`pipeline_bounds`). Bulk (UCX or TCP): one transfer; should the path itself fail, this batch and the rest go over gRPC. A large batch on the TCP path
 goes as stripes (client/core/stripes.py): one put of each contiguous part, all at once on
 connections of their own (`Together`), each carrying the chain prefix that vouches for its
 first page's parents should it reach the daemon before the stripes ahead of it; a stripe whose
@@ -31,12 +31,12 @@ from client.contract.types import (
 from client.core.frames import chunk_bytes_for, put_messages
 from client.core.replies import put_statuses_from_proto
 from client.core.requests import (
-    PIPELINE_MIN_PAGES,
     batch_ranges,
     io_class_value,
     malformed,
     payload_views,
     pipeline_bounds,
+    pipelines,
     tier_value,
 )
 from client.core.retry import call, retried
@@ -89,7 +89,7 @@ def put(
         part: Statuses | None = None
         if path == "shm":
             shm = (scope, part_pages, views, io, prefix, client_pid, settings)
-            if len(part_pages) >= PIPELINE_MIN_PAGES and route.pipelined:
+            if route.pipelined and pipelines(len(part_pages), scope.page_payload_bytes):
                 part = yield from _put_shm_pipelined(*shm)
             else:
                 part = yield from _put_shm(*shm)

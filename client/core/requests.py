@@ -82,8 +82,17 @@ def batch_ranges(count: int, limit: int) -> list[range]:
     return [range(start, min(start + step, count)) for start in range(0, count, step)]
 
 
-# Same-host puts and gets of at least this many pages go as parts in flight at once.
+# Same-host puts and gets of at least this many pages and bytes go as parts in flight at once:
+# below it the daemon's work per page outweighs the copy that would overlap it (measured on the
+# 2-core development machine, interleaved against one daemon: 64 x 64 KiB puts 2.07 ms whole,
+# 2.89 ms in parts; 16 x 1 MiB level; 32 x 1 MiB 2.60 against 2.46 ms).
 PIPELINE_MIN_PAGES = 16
+PIPELINE_MIN_BYTES = 16 << 20
+
+
+def pipelines(count: int, page_bytes: int) -> bool:
+    """Whether a same-host batch of `count` pages of `page_bytes` goes as parts in flight."""
+    return count >= PIPELINE_MIN_PAGES and count * page_bytes >= PIPELINE_MIN_BYTES
 
 
 def pipeline_bounds(count: int, *, small_last: bool) -> list[int]:

@@ -199,6 +199,7 @@ def test_wrong_tokens_are_a_rejected_miss_and_damage_a_corrupt_one(
     assert client.transport == path
 
 
+@pytest.mark.usefixtures("pipelined_small_batches")
 def test_large_same_host_puts_and_gets_go_in_overlapped_parts(
     daemon_factory: DaemonFactory, async_clients: list[Blocking], scope: Scope
 ) -> None:

@@ -532,6 +532,7 @@ def test_same_host_put_is_counted_in_its_io_class(
     assert moved.get(("shm", "in", IoClass.BACKGROUND)) == 2 * PAGE_BYTES
 
 
+@pytest.mark.usefixtures("pipelined_small_batches")
 def test_a_large_same_host_put_goes_in_parts(daemon_factory: DaemonFactory, scope: Scope) -> None:
     """Puts of 16 pages or more are pipelined (each part's reservation asked for as the one
     before it is granted, each part committed as soon as it is copied): every page stored and
@@ -549,6 +550,7 @@ def test_a_large_same_host_put_goes_in_parts(daemon_factory: DaemonFactory, scop
     d.check()
 
 
+@pytest.mark.usefixtures("pipelined_small_batches")
 def test_a_pipelined_put_whose_second_part_fails_leaves_no_lease(
     daemon_factory: DaemonFactory, scope: Scope, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -578,6 +580,7 @@ def test_a_pipelined_put_whose_second_part_fails_leaves_no_lease(
     assert_intact(shm, scope, pages)
 
 
+@pytest.mark.usefixtures("pipelined_small_batches")
 def test_a_large_same_host_get_goes_in_parts_and_serves_every_page_it_holds(
     daemon_factory: DaemonFactory, scope: Scope
 ) -> None:
