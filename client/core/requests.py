@@ -97,14 +97,15 @@ def pipelines(count: int, page_bytes: int) -> bool:
 
 def pipeline_bounds(count: int, *, small_last: bool) -> list[int]:
     """Where a same-host batch of `count` pages (at least `PIPELINE_MIN_PAGES`) is cut into
-    parts in flight at once: the first part a sixteenth, so its reply comes back soonest and
-    the copy starts early. A get (every Acquire sent at once) grows by three times (1/16, 3/16,
-    the rest): each part's lease is granted while the one before it is copied. A put
-    (`small_last`: its last Commit is waited for) ends with a sixteenth too and halves the
-    middle, so neither the first reservation nor the last commit is waited for long."""
+    parts in flight at once: the first part a thirty-second (at least a page), so its reply
+    comes back soonest and the copy starts early. A get (every Acquire sent at once) grows by
+    three times (1/32, 3/32, the rest): each part's lease is granted while the one before it is
+    copied. A put (`small_last`: its last Commit is waited for) ends with as small a part and
+    halves the middle, so neither the first reservation nor the last commit is waited for
+    long. (Measured interleaved, 64 x 1 MiB: ends of a sixteenth were 4-6% slower.)"""
     if count < PIPELINE_MIN_PAGES:
         raise ValueError(f"a pipelined batch has at least {PIPELINE_MIN_PAGES} pages, got {count}")
-    end = count // 16
+    end = max(1, count // 32)
     if small_last:
         middle = count - 2 * end
         return [0, end, end + middle // 2, count - end, count]

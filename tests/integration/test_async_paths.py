@@ -214,7 +214,7 @@ def test_large_same_host_puts_and_gets_go_in_overlapped_parts(
         return await take(stub, conn, step)
 
     shell._take = recording  # type: ignore[method-assign]
-    pages = chain(scope, 40, seed=45)  # parts of 2, 18, 18 and 2 pages
+    pages = chain(scope, 40, seed=45)  # parts of 1, 19, 19 and 1 pages
     assert client.put(scope, pages).stored == 40
     # each reservation asked for as the one before is granted, before that one's copy; each
     # commit sent as soon as its part is copied, all read at the end
@@ -229,7 +229,7 @@ def test_large_same_host_puts_and_gets_go_in_overlapped_parts(
     taken.clear()
     into = buffers(scope, 40)
     assert client.get(scope, keys_of(pages), into, tokens=tokens_of(pages)).hit_count == 40
-    # every Acquire (parts of 2, 6 and 32) in flight before the first reply is read
+    # every Acquire (parts of 1, 3 and 36) in flight before the first reply is read
     assert taken == [
         ("Start", "Acquire"), ("Start", "Acquire"), ("Start", "Acquire"),
         ("Join", ""), ("CheckSegments", ""), ("CopyOut", ""), ("Release", ""),

@@ -324,8 +324,8 @@ def test_a_same_host_get_releases_its_lease_even_when_the_copy_fails() -> None:
 def test_a_large_same_host_get_asks_for_every_part_at_once_and_copies_each_as_it_comes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    pages = singles(SCOPE, requests.PIPELINE_MIN_PAGES * 2, seed=4)  # parts of 2, 6 and 24 pages
-    sizes = [2, 6, 24]
+    pages = singles(SCOPE, requests.PIPELINE_MIN_PAGES * 2, seed=4)  # parts of 1, 3 and 28 pages
+    sizes = [1, 3, 28]
     fail: dict[int, StrataError] = {}
 
     def answer(step: Step) -> object:
@@ -379,7 +379,7 @@ def test_a_large_same_host_get_asks_for_every_part_at_once_and_copies_each_as_it
     assert [s for s in steps if isinstance(s, Release)] == [Release(100), Release(102)]
     assert isinstance(result, GetResult)
     assert result.headers == (
-        *(p.header for p in pages[:2]), *(None,) * 6, *(p.header for p in pages[8:])
+        *(p.header for p in pages[:1]), *(None,) * 3, *(p.header for p in pages[4:])
     )  # fmt: skip
 
     # the same get not pipelined (a lane that cannot keep two calls in flight): one Acquire
@@ -543,13 +543,14 @@ def test_pipeline_bounds_start_small_and_cover_every_page() -> None:
             bounds = requests.pipeline_bounds(count, small_last=small_last)
             sizes = [b - a for a, b in itertools.pairwise(bounds)]
             assert bounds[0] == 0 and bounds[-1] == count and min(sizes) >= 1
-            assert sizes[0] == count // 16  # the first reply comes back soonest
+            assert sizes[0] == max(1, count // 32)  # the first reply comes back soonest
             if small_last:
                 assert len(sizes) == 4 and sizes[-1] == sizes[0]  # so is the last commit
             else:
                 assert len(sizes) == 3 and sizes[1] == 3 * sizes[0]  # each leased in time
-    assert requests.pipeline_bounds(64, small_last=True) == [0, 4, 32, 60, 64]
-    assert requests.pipeline_bounds(64, small_last=False) == [0, 4, 16, 64]
+    assert requests.pipeline_bounds(64, small_last=True) == [0, 2, 32, 62, 64]
+    assert requests.pipeline_bounds(64, small_last=False) == [0, 2, 8, 64]
+    assert requests.pipeline_bounds(16, small_last=True) == [0, 1, 8, 15, 16]
     with pytest.raises(ValueError, match="at least 16"):
         requests.pipeline_bounds(15, small_last=True)
     mib = 1 << 20
@@ -563,7 +564,7 @@ def test_a_large_same_host_put_overlaps_its_parts_and_releases_all_on_failure(
 ) -> None:
     monkeypatch.setattr(requests, "PIPELINE_MIN_BYTES", 0)  # these pages are small
     pages = chain(SCOPE, 2 * requests.PIPELINE_MIN_PAGES, seed=13)
-    sizes = [2, 14, 14, 2]  # pipeline_bounds(32, small_last=True)
+    sizes = [1, 15, 15, 1]  # pipeline_bounds(32, small_last=True)
     leases = iter([21, 22, 23, 24])
     copied: list[int] = []
     reserved: list[Step] = []
