@@ -19,7 +19,6 @@ answer starts is logged and answered as a 500 OpenAI-style error; the server kee
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 
@@ -133,27 +132,37 @@ class ClientGone(Exception):
 
 
 async def _collect_while_connected(run: Run, receive: Receive) -> Collected:
-    """`collect(run)`, unless the client disconnects first: then the run is closed (its Decode
-    cancelled, counted as cancelled) and ClientGone raised."""
+    """`collect(run)` in this task, unless the client disconnects first: then the run is closed
+    (its Decode cancelled, counted as cancelled) and ClientGone raised. One watcher task reads
+    `receive` and cancels this one on a disconnect (as `EventStream` does): the answer is
+    collected where it is sent, with no task of its own to wait for (one task and one loop turn
+    less at the end of every whole answer)."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
 
-    async def gone() -> None:
+    async def watch() -> None:
+        nonlocal gone
         while (await receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        task.cancel()
 
-    collecting = asyncio.ensure_future(collect(run))
-    watcher = asyncio.ensure_future(gone())
+    watcher = asyncio.create_task(watch(), name="strata-disconnect")
     try:
-        await asyncio.wait((collecting, watcher), return_when=asyncio.FIRST_COMPLETED)
+        got = await collect(run)
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # this task was cancelled (the server stops): the run's stream closed itself
+        task.uncancel()
+        await run.close()
+        raise ClientGone from None
     finally:
         watcher.cancel()
-        if not collecting.done():  # the client went away (or this task was cancelled)
-            collecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await collecting
-            await run.close()
-    if collecting.cancelled():
+    if gone:  # the client went away as its answer completed: nothing to send it
+        await run.close()
         raise ClientGone
-    return collecting.result()
+    return got
 
 
 class CompletionsFront:

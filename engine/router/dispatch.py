@@ -11,7 +11,9 @@
 It returns a `Run`, whose `tokens()` streams the first token and then the chosen decode
 worker's `Decode` stream (`output_token_ids=[first]`, opened as soon as the Prefill answers, so
 the worker pulls while the first token goes out); a co-located worker takes `Decode` alone. The
-stream's last event (its finish reason) ends the run; the call's trailing status is not awaited.
+stream's last event (its finish reason) ends the run; the call's trailing status is not awaited,
+and the call is not cancelled either: it ends by itself (cancelled only if still open
+FINISHED_STREAM_GRACE_S later).
 A decode stream that breaks before its last event is resumed on another decode-capable worker,
 the one `RouterCore.resume` prices cheapest for the rest of the request, from the tokens produced
 so far (`DecodeRequest.output_token_ids`): the worker pulls the pages
@@ -79,6 +81,9 @@ DRIFT_CHECK_S = 1.0
 DEFERRED_UNTIL_TOKENS = 32
 # A non-streamed run's Decode sends its tokens in batches at most this old (DecodeRequest.batch_s)
 DECODE_BATCH_S = 0.25
+# A Decode stream whose last event came is left to end by itself (its status follows the event:
+# no cancel sent, nothing for the worker to undo); one still open this much later is cancelled.
+FINISHED_STREAM_GRACE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,9 +346,9 @@ class Run:
         finally:
             if not call.done():
                 if self.finish_reason:
-                    # the worker has sent its last event; its status is only cleanup, left to
-                    # after the answer is written
-                    d.later(call.cancel)
+                    # the worker has sent its last event and its status follows on its own:
+                    # cancelled only if it has not come within FINISHED_STREAM_GRACE_S
+                    d.cancel_unless_done(call)
                 else:
                     call.cancel()
             self._call = None
@@ -421,8 +426,10 @@ class Dispatcher:
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         decisions: collections.deque[DecisionRecord] | None = None,
+        finished_stream_grace_s: float = FINISHED_STREAM_GRACE_S,
     ) -> None:
         self.registry = registry
+        self.finished_stream_grace_s = finished_stream_grace_s
         self.lookup = lookup
         self.core = core
         self.metrics = metrics
@@ -529,6 +536,16 @@ class Dispatcher:
             run.cached_tokens = hit_tokens.gpu + hit_tokens.dram + hit_tokens.ssd
             run.first = Token(0, reply.first_token, reply.first_text, reply.finish_reason)
             self.in_flight[job.request_id] = run
+            if run._opened is not None:
+                # grpc.aio sends a call's request from a task of its own: one loop turn here
+                # sends the Decode now, before the first token's bookkeeping and the answer's
+                # set-up (else they ran first, ~0.2 ms of the router's CPU, while the decode
+                # worker had not been asked yet)
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    await run.close()  # the caller never gets the run: cancel its Decode here
+                    raise
             return run
         raise HttpError(
             ErrorKind.no_worker,
@@ -736,6 +753,18 @@ class Dispatcher:
             return
         loop.call_soon(fn, *args)
 
+    def cancel_unless_done(self, call: Any) -> None:
+        """Cancel `call` (a finished stream) if it is still open `finished_stream_grace_s` from
+        now; at once without a running loop. Its status normally comes just after its last
+        event, so no cancel is sent: a cancel costs the router and the worker a round of
+        gRPC work (RST_STREAM, the worker's cancel callback) for a stream that is ending."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            _cancel_if_open(call)
+            return
+        loop.call_later(self.finished_stream_grace_s, _cancel_if_open, call)
+
     def on_finish(self, run: Run) -> None:
         """The run ended (finished, failed or cancelled): release its bookkeeping (at once: the
         next decision sees it), record it (`later`: its metrics and the drift check wait for the
@@ -773,6 +802,11 @@ class Dispatcher:
             ),
             now=now,
         )
+
+
+def _cancel_if_open(call: Any) -> None:
+    if not call.done():
+        call.cancel()
 
 
 async def _raise(exc: BaseException) -> None:

@@ -194,3 +194,64 @@ def unavailable() -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(
         grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
     )
+
+
+@dataclass
+class EndingCall(Call):
+    """A Decode call whose status arrives after its last event (done from then on), or never
+    (`ends=False`: a worker that sent its last event and left the stream open)."""
+
+    ends: bool = True
+    ended: bool = False
+
+    def __aiter__(self) -> AsyncIterator[pb.TokenEvent]:
+        async def gen() -> AsyncIterator[pb.TokenEvent]:
+            for i, event in enumerate(self.events):
+                if i == len(self.events) - 1 and self.ends:
+                    # the status arrives a moment after the last event
+                    asyncio.get_running_loop().call_later(0.01, setattr, self, "ended", True)
+                yield event
+
+        return gen()
+
+    def done(self) -> bool:
+        return self.ended or self.cancelled
+
+    def cancel(self) -> None:
+        if not self.done():  # as grpc.aio: a call that has its status cannot be cancelled
+            self.cancelled = True
+
+
+def finish(call: EndingCall, grace_s: float) -> tuple[bool, bool]:
+    """Run a request whose Decode is `call` on a dispatcher with `grace_s`: whether the call was
+    cancelled when the run ended, and once the grace has passed."""
+    workers = Workers({"d:1": iter([call]), "d:2": iter([])})
+    core = RouterCore(build_policy("round_robin"), Admission(), MODEL)
+    dispatcher = Dispatcher(
+        cast(Registry, workers), StoreLookup(None), core, finished_stream_grace_s=grace_s
+    )
+    model = SimpleNamespace(model_id="m", scope=None, page_tokens=16, page_bytes=1024)
+    job = Job("r", cast(Any, model), PROMPT, pb.SamplingParams(max_tokens=2), 2, whole=True)
+
+    async def run() -> tuple[bool, bool]:
+        started = await dispatcher.start(job)
+        assert [t.token_id async for t in started.tokens()] == [10, 11]
+        at_end = call.cancelled
+        await asyncio.sleep(grace_s + 0.05)
+        return at_end, call.cancelled
+
+    return asyncio.run(run())
+
+
+def test_a_finished_decode_stream_is_left_to_end_by_itself() -> None:
+    # its last event came, and its status 10 ms later: nothing is cancelled, then or later
+    call = EndingCall([batch(1, [11], "a", "length")])
+    assert finish(call, grace_s=0.05) == (False, False)
+    assert call.ended
+
+
+def test_a_finished_decode_stream_still_open_after_the_grace_is_cancelled() -> None:
+    # the last event came but the worker never ended the stream: cancelled once the grace is
+    # over, not when the answer was complete
+    call = EndingCall([batch(1, [11], "a", "length")], ends=False)
+    assert finish(call, grace_s=0.05) == (False, True)

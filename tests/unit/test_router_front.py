@@ -13,14 +13,19 @@ import pytest
 from pydantic import ValidationError
 from starlette.types import Message, Receive, Scope, Send
 
-from engine.router.completions import CompletionsFront, invalid_body
+from engine.router.completions import (
+    ClientGone,
+    CompletionsFront,
+    _collect_while_connected,
+    invalid_body,
+)
 from engine.router.core.admission import Admission
 from engine.router.core.errors import ErrorKind
 from engine.router.core.policies import build_policy
 from engine.router.core.router import RouterCore
 from engine.router.core.timemodel import DecodeCoeffs, PrefillCoeffs, TimeModel
 from engine.router.core.types import Placement
-from engine.router.dispatch import Dispatcher, Job, Run
+from engine.router.dispatch import Dispatcher, Job, Run, Token
 from engine.router.http_errors import HttpError
 from engine.router.lookup import StoreLookup
 from engine.router.metrics import FinishedRequest
@@ -242,3 +247,55 @@ def test_without_a_running_loop_a_finished_run_is_recorded_at_once() -> None:
     dispatcher.in_flight["r2"] = run
     dispatcher.on_finish(run)  # cancelled (no finish reason)
     assert [f.outcome for f in metrics.finished] == ["cancelled"]
+
+
+@dataclass
+class SlowRun:
+    """A run for `collect`: one token, then (unless `finishes`) nothing until cancelled."""
+
+    finishes: bool
+    closed: int = 0
+
+    async def tokens(self) -> Any:
+        try:
+            yield Token(0, 7, "a")
+            if self.finishes:
+                yield Token(1, 8, "b", "length")
+                return
+            await asyncio.Event().wait()  # a decode that never ends by itself
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+def test_a_client_that_leaves_while_its_whole_answer_is_collected_cancels_the_run() -> None:
+    async def run(finishes: bool, leave: bool) -> tuple[object, int, int]:
+        left = asyncio.Event()
+
+        async def receive() -> Message:
+            if leave:
+                await asyncio.sleep(0.01)
+                left.set()
+                return {"type": "http.disconnect"}
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError
+
+        fake = SlowRun(finishes)
+        before = len(asyncio.all_tasks())
+        try:
+            got: object = await _collect_while_connected(cast(Run, fake), receive)
+        except ClientGone:
+            got = ClientGone
+        await asyncio.sleep(0)  # the watcher's cancellation lands
+        return got, fake.closed, len(asyncio.all_tasks()) - before
+
+    # the answer is complete while the client stays: it is returned, the watcher is gone
+    got, closed, tasks_left = asyncio.run(run(finishes=True, leave=False))
+    assert getattr(got, "token_ids", None) == [7, 8] and getattr(got, "text", "") == "ab"
+    assert getattr(got, "finish_reason", "") == "length"
+    assert closed == 1 and tasks_left == 0
+    # the client leaves mid-answer: the run is closed (its decode cancelled) and ClientGone
+    got, closed, tasks_left = asyncio.run(run(finishes=False, leave=True))
+    assert got is ClientGone and closed >= 1 and tasks_left == 0
