@@ -441,6 +441,39 @@ def make_header(scope: Scope, parent: bytes, tokens: Sequence[int], payload: Buf
     return header
 
 
+def _set_fields(
+    header: PageHeader,
+    scope_digest: bytes,
+    key: bytes,
+    parent: bytes,
+    tokens: tuple[int, ...],
+    dtype: str,
+    layout: KVLayout,
+    payload_bytes: int,
+    payload: Buffer,
+    token_bytes: bytes,
+    deferred_raw: bytes,
+) -> None:
+    """Set the fields of a new, pending PageHeader (from `object.__new__`): what the frozen
+    dataclass's __init__ sets, without the defaults it would set first and `make_headers` then
+    replace; `payload_checksum` stays unset (computed by __getattr__ when first read) and
+    `_valid_for` is the scope's digest (built to fit: validate_for holds)."""
+    put = object.__setattr__
+    put(header, "scope_digest", scope_digest)
+    put(header, "key", key)
+    put(header, "parent", parent)
+    put(header, "tokens", tokens)
+    put(header, "dtype", dtype)
+    put(header, "layout", layout)
+    put(header, "payload_bytes", payload_bytes)
+    put(header, "checksum_deferred", False)
+    put(header, "_raw", b"")
+    put(header, "_valid_for", scope_digest)
+    put(header, "_payload", payload)
+    put(header, "_token_bytes", token_bytes)
+    put(header, "_deferred_raw", deferred_raw)
+
+
 def make_headers(
     scope: Scope, parent: bytes, token_pages: Sequence[Sequence[int]], payloads: Sequence[Buffer]
 ) -> list[PageHeader]:
@@ -466,7 +499,7 @@ def make_headers(
     _, deferred, middle, _ = _expected_bytes(scope)
     pack = _tokens_struct(count).pack
     join, checksum, tail = b"".join, xxhash.xxh3_64_intdigest, _TAIL.pack
-    setattr_ = object.__setattr__
+    new, cls = object.__new__, PageHeader
     out: list[PageHeader] = []
     for tokens, payload in zip(token_pages, payloads, strict=True):
         try:
@@ -474,14 +507,13 @@ def make_headers(
         except struct.error:
             packed = pack_tokens(tokens)  # raises InvalidArgument naming the bad id
         key = key_digest(parent + packed)
-        header = PageHeader(digest, key, parent, tuple(tokens), dtype, lay, size, 0)
-        setattr_(header, "_token_bytes", packed)
-        setattr_(header, "_payload", payload)
-        setattr_(header, "_valid_for", digest)  # built to fit: validate_for holds
         # its same-host form, from the scope's fixed bytes (what `_pack` gives, without it)
         body = join((deferred, key, parent, middle, _NO_CHECKSUM, packed))
-        setattr_(header, "_deferred_raw", body + tail(checksum(body)))
-        object.__delattr__(header, "payload_checksum")  # computed by __getattr__ when first read
+        header = new(cls)
+        _set_fields(
+            header, digest, key, parent, tuple(tokens), dtype, lay, size, payload, packed,
+            body + tail(checksum(body)),
+        )  # fmt: skip
         out.append(header)
         parent = key
     return out

@@ -24,6 +24,7 @@ from client.contract.page import (
     encode_page,
     header_bytes_for,
     make_header,
+    make_headers,
     payload_checksum,
 )
 from client.contract.scope import DTYPES, KVLayout, Scope, chain_key, page_keys
@@ -246,6 +247,36 @@ def test_make_header_computes_key_and_checksum() -> None:
         assert header.payload_checksum == xxhash.xxh3_64_intdigest(payloads[i])
         assert header.validate_for(TINY) is None
         parent = header.key
+
+
+def test_make_headers_builds_what_make_header_builds_field_for_field() -> None:
+    """The batch builder sets each field itself (no dataclass __init__): every field, the
+    private ones included, equals the single builder's, and each header behaves the same
+    (checksum pending until read, then the payload's; the same encodings)."""
+    tokens = list(range(300, 316))
+    payloads = [bytes([i + 1]) * 256 for i in range(4)]
+    pages = [tokens[4 * i : 4 * i + 4] for i in range(4)]
+    batch = make_headers(TINY, TINY.digest, pages, payloads)
+    parent = TINY.digest
+    # (`_deferred_raw`, the same-host encoding, the batch builder makes at once, the single one
+    # on first use: compared as encodings below)
+    names = [
+        f.name
+        for f in dataclasses.fields(PageHeader)
+        if f.name not in ("payload_checksum", "_deferred_raw")
+    ]
+    for chunk, payload, got in zip(pages, payloads, batch, strict=True):
+        want = make_header(TINY, parent, chunk, payload)
+        assert type(got) is PageHeader
+        assert {n: getattr(got, n) for n in names} == {n: getattr(want, n) for n in names}
+        assert got.checksum_pending and want.checksum_pending
+        assert got.encode_for_same_host() == want.encode_for_same_host()
+        assert got.validate_for(TINY) is None
+        assert got.payload_checksum == xxhash.xxh3_64_intdigest(payload) == want.payload_checksum
+        assert not got.checksum_pending and got.encode() == want.encode() and got == want
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            got.key = bytes(16)  # type: ignore[misc]
+        parent = got.key
 
 
 def test_make_header_rejects_pages_that_do_not_fit() -> None:
