@@ -190,7 +190,6 @@ def _put_shm_pipelined(
     committing: list[object] = []
     leases: list[int] = []  # reserved, not yet known to be committed
     statuses: list[PutStatus] = []
-    checked = False
     try:
         for k, (_, part_views) in enumerate(parts):
             reply = yield Join(unread.pop(0))
@@ -200,9 +199,11 @@ def _put_shm_pipelined(
                 leases.append(reply.lease_id)
             if k + 1 < len(parts):
                 unread.append((yield reserve(parts[k + 1][0])))
-            if not checked and reply.lease_id:  # once a call: a restart breaks the lane anyway
+            if reply.lease_id:
+                # Every part's: its Reserve went out after the check of the part before, maybe
+                # on a new connection, to a daemon restarted since (whose slots are in another
+                # segment than the one mapped here).
                 yield CheckSegments(reply.lease_id)
-                checked = True
             statuses.extend(cast(Statuses, (yield CopyIn(reply, part_views))))
             if reply.lease_id:
                 commit = pb.CommitRequest(lease_id=reply.lease_id)

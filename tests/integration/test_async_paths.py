@@ -221,9 +221,11 @@ def test_large_same_host_puts_and_gets_go_in_overlapped_parts(
     assert taken == [
         ("Start", "Reserve"), ("Join", ""), ("Start", "Reserve"), ("CheckSegments", ""),
         ("CopyIn", ""), ("Start", "Commit"),
-        ("Join", ""), ("Start", "Reserve"), ("CopyIn", ""), ("Start", "Commit"),
-        ("Join", ""), ("Start", "Reserve"), ("CopyIn", ""), ("Start", "Commit"),
-        ("Join", ""), ("CopyIn", ""), ("Start", "Commit"),
+        ("Join", ""), ("Start", "Reserve"), ("CheckSegments", ""), ("CopyIn", ""),
+        ("Start", "Commit"),
+        ("Join", ""), ("Start", "Reserve"), ("CheckSegments", ""), ("CopyIn", ""),
+        ("Start", "Commit"),
+        ("Join", ""), ("CheckSegments", ""), ("CopyIn", ""), ("Start", "Commit"),
         ("Join", ""), ("Join", ""), ("Join", ""), ("Join", ""),
     ]  # fmt: skip
     taken.clear()

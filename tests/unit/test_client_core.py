@@ -37,6 +37,7 @@ from client.core.steps import (
     BulkPut,
     Call,
     Cancel,
+    CheckSegments,
     Connect,
     CopyIn,
     CopyOut,
@@ -603,20 +604,23 @@ def test_a_large_same_host_put_overlaps_its_parts_and_releases_all_on_failure(
         "Start:Commit",
         "Join",
         "Start:Reserve",
+        "CheckSegments",
         "CopyIn",
         "Start:Commit",
         "Join",
         "Start:Reserve",
+        "CheckSegments",
         "CopyIn",
         "Start:Commit",
         "Join",
+        "CheckSegments",
         "CopyIn",
         "Start:Commit",
         "Join",
         "Join",
         "Join",
         "Join",
-    ]  # fmt: skip  (the segments are checked once a call)
+    ]  # fmt: skip  (each part's slots checked to be in the segments mapped, before its copy)
 
     # the same without pipelining: one reservation for all
     def whole(step: Step) -> object:
@@ -647,6 +651,46 @@ def test_a_large_same_host_put_overlaps_its_parts_and_releases_all_on_failure(
         Release(33),
         Release(34),
     ]  # fmt: skip  (the fourth was asked for before the third copy: read, then released)
+
+
+def test_a_large_same_host_put_copies_no_part_granted_by_a_restarted_daemon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A part's Reserve goes out only once the part before it is granted, maybe on a new lane
+    connection, to a daemon restarted in between: its slots are then in a segment this process
+    has not mapped, so copying into the map and committing would publish whatever the new
+    slots hold (a same-host put leaves the checksum to the daemon)."""
+    monkeypatch.setattr(requests, "PIPELINE_MIN_BYTES", 0)  # these pages are small
+    pages = chain(SCOPE, 2 * requests.PIPELINE_MIN_PAGES, seed=17)
+    leases = iter([41, 42, 43, 44])
+    restarted = False
+    recorded: list[Step] = []
+
+    def answer(step: Step) -> object:
+        nonlocal restarted
+        recorded.append(step)
+        if isinstance(step, Start):
+            if step.method == "Commit" and step.request.lease_id == 42:  # type: ignore[attr-defined]
+                restarted = True  # the third part's Reserve, sent before, waits on a new daemon
+            lease = next(leases) if step.method == "Reserve" else 0
+            return ("handle", step.method, lease)
+        if isinstance(step, Join):
+            _, method, lease = step.handle  # type: ignore[misc]
+            return (
+                pb.ReserveResponse(lease_id=lease) if method == "Reserve" else pb.CommitResponse()
+            )
+        if isinstance(step, CheckSegments) and restarted:
+            raise Unavailable("the store's shared-memory segment changed")
+        if isinstance(step, CopyIn):
+            return (PutStatus.STORED,) * len(step.payloads)
+        return None
+
+    with pytest.raises(Unavailable, match="segment changed"):
+        run(put_plan(pages), Route(LIMITS, same_host=True, pipelined=True), answer)
+    copies = [s for s in recorded if isinstance(s, CopyIn)]
+    assert [c.reply.lease_id for c in copies] == [41, 42]  # granted before the restart
+    commits = [s for s in recorded if isinstance(s, Start) and s.method == "Commit"]
+    assert [c.request.lease_id for c in commits] == [41, 42]  # type: ignore[attr-defined]
 
 
 def test_a_put_is_never_retried_and_a_failed_bulk_path_goes_on_over_grpc() -> None:
