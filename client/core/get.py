@@ -174,60 +174,71 @@ def _get_shm_pipelined(
     """`_get_shm` as parts in flight at once: every part's Acquire is sent before the first
     reply is read, the first part small (`pipeline_bounds`), so each part is copied while the
     daemon leases the next; each lease is released once its part is copied. Should an Acquire
-    fail, every lease granted is released; a retryable failure sends the batch again as one
-    `_get_shm` (a get is idempotent; its retries apply there), any other is raised."""
+    fail (or not go out), every lease granted is released; a retryable failure sends the batch
+    again as one `_get_shm` (a get is idempotent; its retries apply there), any other is
+    raised. Whatever else ends it early (a copy or segment check failing, a reply that does not
+    parse, KeyboardInterrupt, a cancel) is raised once the replies still due are read and their
+    leases released."""
     bounds = pipeline_bounds(len(keys), small_last=False)
     parts = list(itertools.pairwise(bounds))
     handles: list[object] = []
-    for a, b in parts:
-        request = pb.AcquireRequest(
-            scope_digest=scope.digest,
-            keys=packed[a * KEY_BYTES : b * KEY_BYTES],
-            io_class=io_class_value(io),
-            scope=scope_bytes(scope),
-        )
-        handles.append((yield Start("Acquire", request, settings.timeout_s)))
     failed: StrataError | None = None
+    joined = 0  # handles[:joined] are read (or given up); the rest may hold leases still
     headers: list[PageHeader | bytes | None] = []
     corrupt = 0
     checked = False
-    for k, (a, b) in enumerate(parts):
-        try:
-            reply = yield Join(handles[k])
-            if not isinstance(reply, pb.AcquireResponse):
-                raise malformed(f"Acquire answered {type(reply).__name__}")
-        except StrataError as exc:  # the others are still read, so their leases go back
-            failed = failed or exc
-            continue
-        if failed is not None:
-            if reply.lease_id:
-                yield Release(reply.lease_id)
-            continue
-        missed = _all_missed(reply, b - a)
-        if missed is not None:  # nothing leased here, nothing to copy
-            headers.extend(missed[0])
-            continue
-        if not checked:  # once a call: a daemon restart breaks the lane anyway
-            yield CheckSegments(reply.lease_id)  # on failure the shell releases this lease
-            checked = True
-        try:
-            got, dropped = cast(
-                tuple[Headers, int], (yield CopyOut(reply, scope, keys[a:b], into[a:b], verify))
+    try:
+        for a, b in parts:
+            request = pb.AcquireRequest(
+                scope_digest=scope.digest,
+                keys=packed[a * KEY_BYTES : b * KEY_BYTES],
+                io_class=io_class_value(io),
+                scope=scope_bytes(scope),
             )
-        except BaseException:
-            for handle in handles[k + 1 :]:  # read the leases still coming, and release them
-                try:
-                    pending = yield Join(handle)
-                except Exception:  # its lease runs out on its own
-                    continue
-                if isinstance(pending, pb.AcquireResponse) and pending.lease_id:
-                    yield Release(pending.lease_id)
-            raise
-        finally:
-            if reply.lease_id:
-                yield Release(reply.lease_id)
-        headers.extend(got)
-        corrupt += dropped
+            try:
+                handles.append((yield Start("Acquire", request, settings.timeout_s)))
+            except StrataError as exc:  # not sent: the parts sent are read, their leases go back
+                failed = exc
+                break
+        for k, handle in enumerate(handles):
+            a, b = parts[k]
+            joined = k + 1
+            try:
+                reply = yield Join(handle)
+                if not isinstance(reply, pb.AcquireResponse):
+                    raise malformed(f"Acquire answered {type(reply).__name__}")
+            except StrataError as exc:  # the others are still read, so their leases go back
+                failed = failed or exc
+                continue
+            if failed is not None:
+                if reply.lease_id:
+                    yield Release(reply.lease_id)
+                continue
+            missed = _all_missed(reply, b - a)
+            if missed is not None:  # nothing leased here, nothing to copy
+                headers.extend(missed[0])
+                continue
+            if not checked:  # once a call: every Acquire was sent before this check
+                yield CheckSegments(reply.lease_id)  # on failure the shell releases this lease
+                checked = True
+            try:
+                got, dropped = cast(
+                    tuple[Headers, int], (yield CopyOut(reply, scope, keys[a:b], into[a:b], verify))
+                )
+            finally:
+                if reply.lease_id:
+                    yield Release(reply.lease_id)
+            headers.extend(got)
+            corrupt += dropped
+    except BaseException:  # whatever it is (an interrupt, a cancel, a reply that did not parse)
+        for handle in handles[joined:]:  # read the leases still coming, and release them
+            try:
+                pending = yield Join(handle)
+            except Exception:  # its lease runs out on its own
+                continue
+            if isinstance(pending, pb.AcquireResponse) and pending.lease_id:
+                yield Release(pending.lease_id)
+        raise
     if failed is not None:
         if not failed.retryable:
             raise failed

@@ -9,12 +9,14 @@ failure, pages dropped by verification counted, token mismatches rejected.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
 from conftest import buffers, chain, keys_of, make_scope, singles, tokens_of
+from google.protobuf.message import DecodeError
 
 from client import GetResult, LookupResult, PutResult, PutStatus, Tier
 from client.contract.errors import (
@@ -422,7 +424,87 @@ def test_a_large_same_host_get_asks_for_every_part_at_once_and_copies_each_as_it
 
     with pytest.raises(Unavailable):
         run(get_plan(pages), route, copy_breaks)
-    assert [s for s in recorded if isinstance(s, Release)] == [Release(102), Release(100)]
+    assert [s for s in recorded if isinstance(s, Release)] == [Release(100), Release(102)]
+
+
+def run_throwing(plan: Plan[object], route: Route, answer: Answer) -> list[Step]:
+    """`run`, with whatever `answer` raises (KeyboardInterrupt, a cancel, a parse error)
+    thrown into the plan, as the shells' drivers do; the steps taken until the plan raised."""
+    steps: list[Step] = []
+    driver = Run(plan)
+    step = driver.advance()
+    while step is not None:
+        steps.append(step)
+        if isinstance(step, Connect):
+            step = driver.advance(route)
+            continue
+        try:
+            outcome = answer(step)
+        except BaseException as exc:  # handed to the plan, as a shell does
+            step = driver.advance(error=exc)
+        else:
+            step = driver.advance(outcome)
+    raise AssertionError("the plan was expected to raise")
+
+
+@pytest.mark.usefixtures("pipelined_small_batches")
+@pytest.mark.parametrize(
+    ("where", "error"),
+    [
+        ("join 0", KeyboardInterrupt()),
+        ("join 1", DecodeError("Error parsing message")),  # a lane reply that does not parse
+        ("join 0", asyncio.CancelledError()),
+        ("start 2", KeyboardInterrupt()),
+        ("check", KeyboardInterrupt()),
+    ],
+)
+def test_a_large_same_host_get_interrupted_releases_every_lease_granted(
+    where: str, error: BaseException
+) -> None:
+    pages = singles(SCOPE, requests.PIPELINE_MIN_PAGES * 2, seed=6)  # parts of 1, 3 and 28
+    sizes = [1, 3, 28]
+    starts = 0
+
+    def answer(step: Step) -> object:
+        nonlocal starts
+        if isinstance(step, Start):
+            if where == f"start {starts}":
+                raise error
+            starts += 1
+            return ("handle", starts - 1)
+        if isinstance(step, Join):
+            _, k = step.handle  # type: ignore[misc]
+            if where == f"join {k}":
+                raise error
+            return pb.AcquireResponse(
+                lease_id=100 + k, pages=[pb.AcquiredPage(present=True)] * sizes[k]
+            )
+        if isinstance(step, CheckSegments) and where == "check":
+            raise error
+        if isinstance(step, CopyOut):
+            return (None,) * len(step.keys), 0
+        return None
+
+    recorded: list[Step] = []
+
+    def recording(step: Step) -> object:
+        recorded.append(step)
+        return answer(step)
+
+    with pytest.raises(type(error)):
+        run_throwing(get_plan(pages), Route(LIMITS, same_host=True, pipelined=True), recording)
+    # every lease granted, but one whose reply was never read, or whose segment check failed
+    # (the shell releases that one itself)
+    released = sorted(s.lease_id for s in recorded if isinstance(s, Release))
+    assert (
+        released
+        == {
+            "join 0": [101, 102],
+            "join 1": [100, 102],
+            "start 2": [100, 101],
+            "check": [101, 102],
+        }[where]
+    )
 
 
 def test_a_page_served_for_other_tokens_is_rejected() -> None:
