@@ -536,11 +536,12 @@ class Dispatcher:
             run.cached_tokens = hit_tokens.gpu + hit_tokens.dram + hit_tokens.ssd
             run.first = Token(0, reply.first_token, reply.first_text, reply.finish_reason)
             self.in_flight[job.request_id] = run
-            if run._opened is not None:
-                # grpc.aio sends a call's request from a task of its own: one loop turn here
-                # sends the Decode now, before the first token's bookkeeping and the answer's
-                # set-up (else they ran first, ~0.2 ms of the router's CPU, while the decode
-                # worker had not been asked yet)
+            if run._opened is not None and job.whole:
+                # grpc.aio sends a call's request from a task of its own: for an answer sent
+                # whole, one loop turn here sends the Decode now, before the first token's
+                # bookkeeping and the answer's set-up (else they ran first, ~0.2 ms of the
+                # router's CPU, while the decode worker had not been asked yet). A stream's
+                # first token goes to its client first, and its Decode leaves right after.
                 try:
                     await asyncio.sleep(0)
                 except asyncio.CancelledError:
