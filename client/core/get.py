@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 from client.contract.errors import StrataError
@@ -41,7 +42,7 @@ from client.core.requests import (
     pipelines,
     scope_bytes,
 )
-from client.core.retry import call, retried
+from client.core.retry import Deadline, call, retried
 from client.core.route import Route, Settings, get_path, verifies
 from client.core.steps import (
     BULK_FAILED,
@@ -51,6 +52,7 @@ from client.core.steps import (
     CopyOut,
     Dropped,
     Join,
+    Pause,
     Plan,
     Release,
     Start,
@@ -175,10 +177,12 @@ def _get_shm_pipelined(
     reply is read, the first part small (`pipeline_bounds`), so each part is copied while the
     daemon leases the next; each lease is released once its part is copied. Should an Acquire
     fail (or not go out), every lease granted is released; a retryable failure sends the batch
-    again as one `_get_shm` (a get is idempotent; its retries apply there), any other is
-    raised. Whatever else ends it early (a copy or segment check failing, a reply that does not
-    parse, KeyboardInterrupt, a cancel) is raised once the replies still due are read and their
-    leases released."""
+    again as one `_get_shm`, as the retry policy would retry an Acquire (a get is idempotent):
+    after its pause, within what is left of the call's deadline, never after the deadline ran
+    out, as one of its retries. Any other is raised. Whatever else ends it early (a copy or
+    segment check failing, a reply that does not parse, KeyboardInterrupt, a cancel) is raised
+    once the replies still due are read and their leases released."""
+    deadline = Deadline(settings.timeout_s)  # the call's, shared by a retry of the batch
     bounds = pipeline_bounds(len(keys), small_last=False)
     parts = list(itertools.pairwise(bounds))
     handles: list[object] = []
@@ -240,9 +244,19 @@ def _get_shm_pipelined(
                 yield Release(pending.lease_id)
         raise
     if failed is not None:
-        if not failed.retryable:
+        # a retry of this attempt, as `call` would make one: within the call's one deadline,
+        # after the policy's pause, never after a deadline ran out, with one retry fewer left
+        policy = settings.policy
+        delay = policy.delay_s(0, failed, deadline) if policy.retries else None
+        if delay is None:
             raise failed
-        return (yield from _get_shm(scope, keys, packed, into, io, verify, settings))
+        yield Pause(delay)
+        rest = replace(
+            settings,
+            timeout_s=max(deadline.remaining_s(), 0.001),
+            policy=replace(policy, retries=policy.retries - 1),
+        )
+        return (yield from _get_shm(scope, keys, packed, into, io, verify, rest))
     return tuple(headers), corrupt
 
 

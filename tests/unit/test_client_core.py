@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from client import GetResult, LookupResult, PutResult, PutStatus, Tier
 from client.contract.errors import (
     CapacityExhausted,
+    DeadlineExceeded,
     InvalidArgument,
     PermissionDenied,
     StrataError,
@@ -398,7 +399,36 @@ def test_a_large_same_host_get_asks_for_every_part_at_once_and_copies_each_as_it
         Release(102),
         Release(200),
     ]
-    assert kinds(steps)[-4:] == ["Call:Acquire", "CheckSegments", "CopyOut", "Release"]
+    assert kinds(steps)[-5:] == ["Pause", "Call:Acquire", "CheckSegments", "CopyOut", "Release"]
+    # ... as a retry of the call: within its deadline, never after the deadline ran out, and
+    # not at all by a client that retries nothing
+    again = next(s for s in steps if isinstance(s, Call))
+    assert 0 < again.timeout_s <= SETTINGS.timeout_s
+    calls: list[Step] = []
+
+    def counting(step: Step) -> object:
+        if isinstance(step, Call):
+            calls.append(step)
+        return answer(step)
+
+    for error, settings in (
+        (DeadlineExceeded("lane call timed out"), SETTINGS),
+        (Unavailable("lane hiccup"), replace(SETTINGS, policy=RetryPolicy(0))),
+    ):
+        started, fail = [], {1: error}
+        calls.clear()
+        plan = get.get(
+            SCOPE,
+            keys_of(pages),
+            buffers(SCOPE, len(pages)),
+            tokens=tokens_of(pages),
+            io_class=IoClass.CRITICAL,
+            verify=None,
+            settings=settings,
+        )
+        with pytest.raises(type(error)):
+            run(plan, route, counting)
+        assert calls == []
     # ... not retryably: raised, with every lease granted released and nothing asked again
     started, fail = [], {0: InvalidArgument("bad scope")}
     recorded: list[Step] = []
