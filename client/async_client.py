@@ -307,7 +307,13 @@ class AsyncStoreClient(ClientShell):
             case Start():
                 function = getattr(stub, step.method)
                 started = function(step.request, timeout=step.timeout_s, metadata=self._metadata)
-                return asyncio.ensure_future(started)
+                handle = asyncio.ensure_future(started)
+                # grpc.aio sends from the call's own task: one loop turn, so the call is in
+                # flight when Start returns (steps.py), not only at the next await that waits;
+                # a pipelined put's next Reserve is otherwise sent after the copy it was to
+                # overlap, with that part's Commit
+                await asyncio.sleep(0)
+                return handle
             case Join(handle=handle):
                 return await cast("asyncio.Future[object]", handle)
             case Cancel(handle=handle):

@@ -46,6 +46,7 @@ from client import (
 )
 from client.contract.page import PageHeader
 from client.contract.types import Limits
+from client.core.steps import Join, Start
 from client.transports._wire import (
     DEFAULT_RETRY_AFTER_S,
     IDEMPOTENT_METHODS,
@@ -793,6 +794,31 @@ client.close()
 
 
 # ---- the async client -----------------------------------------------------------------------
+
+
+def test_an_async_start_returns_with_its_call_in_flight() -> None:
+    """`Start` sends back the handle of a call now in flight (client/core/steps.py): a pipelined
+    put copies one part while the daemon reserves the next only if that Reserve went out."""
+    sent: list[str] = []
+
+    class Stub:
+        def Reserve(self, request: object, timeout: float, metadata: object) -> object:
+            async def call() -> object:
+                sent.append("Reserve")  # grpc.aio sends from here, the call's own task
+                return pb.ReserveResponse(lease_id=7)
+
+            return call()
+
+    async def scenario() -> None:
+        client = AsyncStoreClient("127.0.0.1:1")
+        step = Start("Reserve", pb.ReserveRequest(), 5.0)
+        handle = await client._take(Stub(), object(), step)  # type: ignore[arg-type]
+        assert sent == ["Reserve"]  # before anything else awaits
+        assert await client._take(Stub(), object(), Join(handle)) == pb.ReserveResponse(  # type: ignore[arg-type]
+            lease_id=7
+        )
+
+    asyncio.run(scenario())
 
 
 def test_async_client_round_trip_and_errors(served: Served) -> None:
