@@ -5,9 +5,8 @@ Pure: yields steps (client/core/steps.py). Same host: Acquire, then the copy out
 slots, then the lease released in the background (the get pays one round trip); a get of at
 least `PIPELINE_MIN_PAGES` and `PIPELINE_MIN_BYTES` (`pipelines`) sends the Acquires of its
 parts at once, a small one first, and copies each part while the daemon leases the next (still
-one round trip waited for). Bulk (UCX or
-TCP): one transfer straight into the buffers; should the path itself fail, this batch and the
-rest go over gRPC. A large batch on the TCP path goes as stripes (client/core/stripes.py): one
+one round trip waited for). Bulk (UCX or TCP): one transfer straight into the buffers; should
+the path itself fail, this batch and the rest go over gRPC. A large batch on the TCP path goes as stripes (client/core/stripes.py): one
 Get of each contiguous part, all at once on connections of their own (`Together`); a stripe
 whose transfer failed is fetched over gRPC, the others are kept. gRPC: one Get stream per
 batch, reassembled and verified as it arrives.
