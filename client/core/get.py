@@ -133,6 +133,15 @@ def _request(scope: Scope, packed: bytes, io: IoClass) -> pb.GetRequest:
     )
 
 
+def _acquire_request(scope: Scope, packed: bytes, io: IoClass) -> pb.AcquireRequest:
+    return pb.AcquireRequest(
+        scope_digest=scope.digest,
+        keys=packed,
+        io_class=io_class_value(io),
+        scope=scope_bytes(scope),
+    )
+
+
 def _get_shm(
     scope: Scope,
     keys: Sequence[bytes],
@@ -142,12 +151,7 @@ def _get_shm(
     verify: bool,
     settings: Settings,
 ) -> Plan[tuple[Headers, int]]:
-    request = pb.AcquireRequest(
-        scope_digest=scope.digest,
-        keys=packed,
-        io_class=io_class_value(io),
-        scope=scope_bytes(scope),
-    )
+    request = _acquire_request(scope, packed, io)
     reply = yield from call(
         "Acquire", request, pb.AcquireResponse, settings.policy, settings.timeout_s
     )
@@ -192,12 +196,7 @@ def _get_shm_pipelined(
     checked = False
     try:
         for a, b in parts:
-            request = pb.AcquireRequest(
-                scope_digest=scope.digest,
-                keys=packed[a * KEY_BYTES : b * KEY_BYTES],
-                io_class=io_class_value(io),
-                scope=scope_bytes(scope),
-            )
+            request = _acquire_request(scope, packed[a * KEY_BYTES : b * KEY_BYTES], io)
             try:
                 handles.append((yield Start("Acquire", request, settings.timeout_s)))
             except StrataError as exc:  # not sent: the parts sent are read, their leases go back

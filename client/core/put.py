@@ -5,8 +5,8 @@ Pure: yields steps (client/core/steps.py). Same host: Reserve, the copy into the
 slots, Commit; a reservation not committed is released. A put of at least `PIPELINE_MIN_PAGES`
 and `PIPELINE_MIN_BYTES` (`pipelines`) goes, where the shell can keep two calls in flight, as
 parts overlapped (the daemon reserves, then commits, one part while another is copied;
-`pipeline_bounds`). Bulk (UCX or TCP): one transfer; should the path itself fail, this batch and the rest go over gRPC. A large batch on the TCP path
-goes as stripes (client/core/stripes.py): one put of each contiguous part, all at once on
+`pipeline_bounds`). Bulk (UCX or TCP): one transfer; should the path itself fail, this batch
+and the rest go over gRPC. A large batch on the TCP path goes as stripes (client/core/stripes.py): one put of each contiguous part, all at once on
 connections of their own (`Together`), each carrying the chain prefix that vouches for its
 first page's parents should it reach the daemon before the stripes ahead of it; a stripe whose
 transfer failed is sent over gRPC, the others' pages are stored. gRPC: one Put stream per

@@ -68,8 +68,15 @@ SETTINGS = Settings(
 Answer = Callable[[Step], object]
 
 
-def run(plan: Plan[object], route: Route, answer: Answer) -> tuple[object, list[Step]]:
-    """Drive `plan` as a shell would: `answer` gives each step's outcome or raises its error."""
+def run(
+    plan: Plan[object],
+    route: Route,
+    answer: Answer,
+    thrown: type[BaseException] = StrataError,
+) -> tuple[object, list[Step]]:
+    """Drive `plan` as a shell would: `answer` gives each step's outcome or raises its error;
+    an error of `thrown` is handed to the plan (BaseException: whatever it is, KeyboardInterrupt,
+    a cancel or a parse error, as the shells' drivers do)."""
     steps: list[Step] = []
     driver = Run(plan)
     step = driver.advance()
@@ -80,7 +87,7 @@ def run(plan: Plan[object], route: Route, answer: Answer) -> tuple[object, list[
             continue
         try:
             outcome = answer(step)
-        except StrataError as exc:
+        except thrown as exc:
             step = driver.advance(error=exc)
         else:
             step = driver.advance(outcome)
@@ -457,26 +464,6 @@ def test_a_large_same_host_get_asks_for_every_part_at_once_and_copies_each_as_it
     assert [s for s in recorded if isinstance(s, Release)] == [Release(100), Release(102)]
 
 
-def run_throwing(plan: Plan[object], route: Route, answer: Answer) -> list[Step]:
-    """`run`, with whatever `answer` raises (KeyboardInterrupt, a cancel, a parse error)
-    thrown into the plan, as the shells' drivers do; the steps taken until the plan raised."""
-    steps: list[Step] = []
-    driver = Run(plan)
-    step = driver.advance()
-    while step is not None:
-        steps.append(step)
-        if isinstance(step, Connect):
-            step = driver.advance(route)
-            continue
-        try:
-            outcome = answer(step)
-        except BaseException as exc:  # handed to the plan, as a shell does
-            step = driver.advance(error=exc)
-        else:
-            step = driver.advance(outcome)
-    raise AssertionError("the plan was expected to raise")
-
-
 @pytest.mark.usefixtures("pipelined_small_batches")
 @pytest.mark.parametrize(
     ("where", "error"),
@@ -522,7 +509,12 @@ def test_a_large_same_host_get_interrupted_releases_every_lease_granted(
         return answer(step)
 
     with pytest.raises(type(error)):
-        run_throwing(get_plan(pages), Route(LIMITS, same_host=True, pipelined=True), recording)
+        run(
+            get_plan(pages),
+            Route(LIMITS, same_host=True, pipelined=True),
+            recording,
+            thrown=BaseException,
+        )
     # every lease granted, but one whose reply was never read, or whose segment check failed
     # (the shell releases that one itself)
     released = sorted(s.lease_id for s in recorded if isinstance(s, Release))
